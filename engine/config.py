@@ -1,0 +1,122 @@
+"""Configuration of the model (read from the weights file) and of the engine (chosen by the user)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ModelLoadError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder, as stored in the weights file.
+
+    Fields:
+        name: human-readable model name (GGUF ``general.name`` or the directory name).
+        vocab_size: number of token ids (rows of the embedding).
+        hidden_size: model width (576 for SmolLM2-135M).
+        intermediate_size: SwiGLU inner width.
+        num_layers: decoder blocks.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention when < num_heads).
+        head_dim: per-head width; hidden_size // num_heads unless the file says otherwise.
+        rope_theta: RoPE base frequency.
+        rms_norm_eps: RMSNorm epsilon.
+        max_position: context length the model was trained for, in tokens.
+        tie_word_embeddings: the LM head reuses the token embedding.
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, field) < 1:
+                raise ModelLoadError(f"model config: {field} must be >= 1, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"model config: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the paged KV pool.
+
+    Fields:
+        block_size: tokens per KV block.
+        num_blocks: blocks in the pool; the pool holds ``num_blocks * block_size`` tokens.
+        dtype: element type of the pool ("float32", "bfloat16", "float16").
+    """
+
+    block_size: int = 16
+    num_blocks: int = 2048
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits of the generator.
+
+    Fields:
+        max_num_seqs: most sequences in the running decode batch.
+        max_num_batched_tokens: most prompt tokens computed in one prefill step; longer prompts
+            are prefilled in chunks of this size.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+def compatibility_hash(model: ModelConfig, cache: CacheConfig) -> str:
+    """Hash of everything two workers must agree on to exchange KV blocks.
+
+    Covers the model hyper-parameters, the pool dtype, the block size and the pool layout
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (num_blocks excluded:
+    pools may differ in size). Returns 16 hex characters.
+    """
+    payload = {
+        "model": dataclasses.asdict(model),
+        "dtype": cache.dtype,
+        "block_size": cache.block_size,
+        "layout": "L,2,N,B,H,D",
+    }
+    blob = json.dumps(payload, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,276 @@
+"""The single-process generator: prefill then decode with continuous batching.
+
+Lifecycle of a request: `Generator.add_request` validates it and queues it (WAITING). Each
+`Generator.step` runs ONE forward pass:
+- if sequences wait and blocks allow, a prefill pass over up to ``max_num_batched_tokens`` prompt
+  tokens (several prompts at once; a long prompt is split into chunks over several steps); a
+  sequence whose whole prompt is computed samples its first token and joins the running batch;
+- otherwise a decode pass: every running sequence adds one token.
+Sequences join and leave the running batch between steps. A finished or aborted sequence frees its
+blocks at once. When the pool runs out during decode, the most recently admitted sequence is
+preempted (blocks freed, recomputed later from prompt + generated tokens).
+
+This class is the reference for greedy output and the colocated baseline. It is not thread-safe:
+one thread drives it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence as Seq
+
+import torch
+
+from engine.attention import ForwardBatch, SeqChunk
+from engine.config import SchedulerConfig
+from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
+from engine.ids import RequestId
+from engine.kv_cache import KVPool, blocks_needed
+from engine.model import LlamaModel
+from engine.sampling import SamplingParams, sample
+from engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        new_token_ids: tokens generated this step (0 or 1).
+        text_delta: new text safe to show (stop strings held back), when a tokenizer is set.
+        finish_reason: set when the request finished this step.
+    """
+
+    request_id: RequestId
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    """A finished request: its tokens, text and why it stopped."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+def validate_request(prompt_token_ids: Seq[int], params: SamplingParams, max_position: int,
+                     vocab_size: int) -> None:
+    """Raise `InvalidRequestError` / `ContextLengthError` for a request that cannot run."""
+    if len(prompt_token_ids) == 0:
+        raise InvalidRequestError("the prompt is empty")
+    if len(prompt_token_ids) >= max_position:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+            f"{max_position} tokens")
+    if len(prompt_token_ids) + params.max_tokens > max_position:
+        raise ContextLengthError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"this model's context of {max_position} tokens")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token ids out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
+
+
+class Generator:
+    """Continuous-batching generator over one model and one KV pool.
+
+    Args:
+        model: the `LlamaModel`.
+        pool: the `KVPool` (its allocator is owned by this generator).
+        tokenizer: optional `engine.tokenizer.Tokenizer`; with it, outputs carry text and stop
+            strings are honoured, and the template's stop ids end generation.
+    """
+
+    def __init__(self, model: LlamaModel, pool: KVPool, tokenizer=None,
+                 scheduler: SchedulerConfig = SchedulerConfig()):
+        self.model = model
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.config = scheduler
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[RequestId, Sequence] = {}
+        self._stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer else frozenset()
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Queue a request.
+
+        Raises:
+            InvalidRequestError / ContextLengthError: bad prompt or max_tokens.
+            CapacityError: prompt + max_tokens needs more blocks than the whole pool holds.
+            ValueError: ``request_id`` is already in flight.
+        """
+        rid = RequestId(request_id)
+        if rid in self._by_id:
+            raise ValueError(f"request {rid!r} is already in flight")
+        c = self.model.config
+        validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
+        need = blocks_needed(len(prompt_token_ids) + params.max_tokens, self.pool.block_size)
+        if need > self.pool.num_blocks:
+            raise CapacityError(
+                f"request needs {need} KV blocks; the pool holds {self.pool.num_blocks}")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
+        seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator())
+        if self.tokenizer is not None:
+            seq.detokenizer = self.tokenizer.detokenizer(params.stop)
+        self.waiting.append(seq)
+        self._by_id[rid] = seq
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Stop a request and free its blocks; None when it is not in flight."""
+        seq = self._by_id.get(RequestId(request_id))
+        if seq is None:
+            return None
+        seq.finish(FinishReason.ABORT)
+        return self._retire(seq, [], "")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.allocator.num_free
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one prefill or decode pass; returns the outputs of the requests it touched."""
+        chunks = self._schedule_prefill()
+        if chunks:
+            return self._run(chunks)
+        if not self.running:
+            return []
+        return self._run(self._schedule_decode())
+
+    def _schedule_prefill(self) -> list[tuple[Sequence, SeqChunk]]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, SeqChunk]] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(scheduled) >= self.config.max_num_seqs:
+                break
+            tokens = seq.all_token_ids
+            take = min(len(tokens) - seq.num_computed, budget)
+            end = seq.num_computed + take
+            if not self._grow(seq, end + (1 if end == len(tokens) else 0)):
+                break
+            done = end == len(tokens)
+            scheduled.append((seq, SeqChunk(tokens[seq.num_computed:end], seq.num_computed,
+                                            seq.block_table, need_logits=done)))
+            budget -= take
+            if not done:
+                break  # a chunked prompt takes the rest of this step's budget
+        return scheduled
+
+    def _schedule_decode(self) -> list[tuple[Sequence, SeqChunk]]:
+        for seq in list(self.running):
+            while seq.status == SeqStatus.RUNNING and not self._grow(seq, seq.num_tokens):
+                self._preempt(self.running[-1])
+        return [(s, SeqChunk([s.all_token_ids[-1]], s.num_tokens - 1, s.block_table))
+                for s in self.running]
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        extra = blocks_needed(num_tokens, self.pool.block_size) - len(seq.block_table)
+        if extra <= 0:
+            return True
+        if not self.pool.allocator.can_allocate(extra):
+            return False
+        seq.block_table.extend(self.pool.allocator.allocate(extra))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _run(self, scheduled: list[tuple[Sequence, SeqChunk]]) -> list[StepOutput]:
+        batch = ForwardBatch.build([c for _, c in scheduled], self.pool.block_size)
+        logits = self.model.forward(batch, self.pool)
+        sampled_seqs = [s for s, c in scheduled if c.need_logits]
+        tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
+        for seq, chunk in scheduled:
+            seq.num_computed += len(chunk.token_ids)
+        outputs = []
+        for seq, token in zip(sampled_seqs, tokens):
+            if seq.status == SeqStatus.WAITING:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = SeqStatus.RUNNING
+            outputs.append(self._append(seq, token))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        seq.output_token_ids.append(token)
+        delta = ""
+        if token in seq.stop_token_ids:
+            seq.finish(FinishReason.STOP)
+        elif seq.detokenizer is not None:
+            delta = seq.detokenizer.add(token)
+            if seq.detokenizer.stopped_by is not None:
+                seq.finish(FinishReason.STOP)
+        if seq.status != SeqStatus.FINISHED and (
+                len(seq.output_token_ids) >= seq.params.max_tokens
+                or seq.num_tokens >= self.model.config.max_position):
+            seq.finish(FinishReason.LENGTH)
+        if seq.status == SeqStatus.FINISHED:
+            if seq.detokenizer is not None:
+                delta += seq.detokenizer.flush()
+            return self._retire(seq, [token], delta)
+        seq.text += delta
+        return StepOutput(seq.request_id, [token], delta, None, len(seq.prompt_token_ids),
+                          len(seq.output_token_ids))
+
+    def _retire(self, seq: Sequence, new_tokens: list[int], delta: str) -> StepOutput:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.text += delta
+        del self._by_id[seq.request_id]
+        return StepOutput(seq.request_id, new_tokens, delta, seq.finish_reason,
+                          len(seq.prompt_token_ids), len(seq.output_token_ids))
+
+    # -- convenience ----------------------------------------------------------------------
+    def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 arrival_steps: Seq[int] | None = None) -> list[GenerationResult]:
+        """Run requests to completion; request ``i`` is added at step ``arrival_steps[i]``.
+
+        Returns results in the order of ``prompts``.
+        """
+        prompts = [list(p) for p in prompts]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * len(prompts)
+        tokens: dict[str, list[int]] = {}
+        texts: dict[str, str] = {}
+        reasons: dict[str, FinishReason] = {}
+        pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+        step = 0
+        while pending or self.has_unfinished():
+            while pending and arrivals[pending[0]] <= step:
+                i = pending.pop(0)
+                self.add_request(f"gen-{i}", prompts[i], plist[i])
+                tokens[f"gen-{i}"], texts[f"gen-{i}"] = [], ""
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id] += out.text_delta
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+            step += 1
+        return [GenerationResult(RequestId(f"gen-{i}"), prompts[i], tokens[f"gen-{i}"],
+                                 texts[f"gen-{i}"], reasons[f"gen-{i}"]) for i in range(len(prompts))]

@@ -1,0 +1,73 @@
+"""Matrix multiply kernels for the model's projections (``y = x @ W.T``).
+
+Two backends:
+- ``onednn``: the weight is reordered once into oneDNN's blocked layout and multiplied with
+  ``torch.ops.mkldnn._linear_pointwise`` (the kernels PyTorch's inductor uses for CPU linears).
+  On a single core this runs 2-3x faster than ``F.linear`` for 2..2048-row inputs and ~2x for the
+  49152-row LM head (measured with ``python -m engine.bench``).
+- ``torch``: plain ``F.linear``; the portable choice (CUDA tensors, builds without oneDNN).
+
+``auto`` picks ``onednn`` for CPU weights when the ops exist and a self-check on random data agrees
+with ``F.linear`` within float tolerance, else ``torch``; the choice is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "onednn", "torch")
+
+
+def onednn_available() -> bool:
+    """True when this torch build has oneDNN's packed-weight linear ops and they are correct."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    try:
+        w, x = torch.randn(64, 32), torch.randn(3, 32)
+        packed = ops._reorder_linear_weight(w, None)
+        y = ops._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(y, F.linear(x, w), atol=1e-4, rtol=1e-4))
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Map ``auto`` to a concrete backend. Raises ValueError for an unknown or unusable name."""
+    if name not in BACKENDS:
+        raise ValueError(f"linear backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        name = "onednn" if device.type == "cpu" and onednn_available() else "torch"
+        log.info("linear backend: %s", name)
+    elif name == "onednn" and (device.type != "cpu" or not onednn_available()):
+        raise ValueError("linear backend 'onednn' needs CPU weights and a torch build with oneDNN")
+    return name
+
+
+class Linear:
+    """A projection ``y = x @ W.T``.
+
+    Args:
+        weight: ``[out_features, in_features]``.
+        backend: "onednn" or "torch" (already resolved).
+    Call with ``x``: ``[tokens, in_features]``, same dtype; returns ``[tokens, out_features]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, backend: str):
+        self.out_features, self.in_features = weight.shape
+        self.backend = backend
+        if backend == "onednn":
+            self._w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        else:
+            self._w = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._w, None, "none", [], "")
+        return F.linear(x, self._w)

@@ -1,0 +1,54 @@
+"""One call from a model path to a ready generator (model, tokenizer, KV pool)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from engine.generator import Generator
+from engine.kv_cache import KVPool
+from engine.model import LlamaModel
+from engine.tokenizer import Tokenizer
+from engine.weights import load_weights, resolve_model_path
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model and its tokenizer. ``path`` is the resolved file or directory."""
+
+    path: Path
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+
+def set_torch_threads(num_threads: int | None) -> None:
+    """Give this process its own small torch thread pool (default: 1, or $PDSERVE_THREADS)."""
+    n = num_threads or int(os.environ.get("PDSERVE_THREADS", "1"))
+    torch.set_num_threads(max(1, n))
+
+
+def load_model(model: str | Path | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
+
+    Raises:
+        ModelLoadError / TokenizerError: missing or malformed files.
+        ValueError: unknown dtype.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path = resolve_model_path(model)
+    config, weights = load_weights(path, DTYPES[dtype])
+    return LoadedModel(path, config, LlamaModel(config, weights), Tokenizer.from_file(path))
+
+
+def build_generator(loaded: LoadedModel, cache: CacheConfig | None = None,
+                    scheduler: SchedulerConfig | None = None) -> Generator:
+    """A `Generator` with a fresh KV pool."""
+    cache = cache or CacheConfig(dtype=str(loaded.model.dtype).removeprefix("torch."))
+    pool = KVPool(loaded.config, cache)
+    return Generator(loaded.model, pool, loaded.tokenizer, scheduler or SchedulerConfig())

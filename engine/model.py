@@ -1,0 +1,108 @@
+"""Llama-family decoder in plain torch, reading and writing K/V through a paged pool.
+
+RMSNorm, rotary embeddings with the file's theta ("rotate half" convention), grouped-query
+attention, SwiGLU MLP, tied embeddings when the file has no output weight. Fused Q/K/V and
+gate/up projections (see `engine.weights`). Reference: Hugging Face ``modeling_llama.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import ForwardBatch, paged_attention
+from engine.config import ModelConfig
+from engine.kv_cache import KVPool
+from engine.linear import Linear, resolve_backend
+from engine.weights import LlamaWeights
+
+LayerCallback = Callable[[int], None]
+
+
+class LlamaModel:
+    """Forward pass over a `ForwardBatch`.
+
+    The model holds no per-request state: K/V live in the `KVPool` passed to `forward`.
+    """
+
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto"):
+        """Args:
+            linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
+        Raises:
+            ValueError: unknown or unusable linear backend.
+        """
+        self.config = config
+        self.dtype = weights.embed.dtype
+        self._embed = weights.embed
+        self._final_norm = weights.final_norm
+        self._norms = [(layer.attn_norm, layer.ffn_norm) for layer in weights.layers]
+        backend = resolve_backend(linear_backend, weights.embed.device)
+        self.linear_backend = backend
+        self._layers = [_LayerLinears(layer, backend) for layer in weights.layers]
+        self._lm_head = Linear(weights.lm_head, backend)
+        self._cos, self._sin = _rope_tables(config, self.dtype)
+        c = config
+        self._q_size = c.num_heads * c.head_dim
+        self._kv_size = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool,
+                on_layer_done: LayerCallback | None = None) -> torch.Tensor:
+        """Compute the new tokens' K/V into ``pool`` and the logits of ``batch.logits_indices``.
+
+        Args:
+            on_layer_done: called with the layer index once that layer's K/V are in the pool
+                (a prefill worker posts that layer's KV writes from it).
+        Returns:
+            ``[len(batch.logits_indices), vocab_size]`` float32 logits.
+        """
+        c = self.config
+        h = self._embed.index_select(0, batch.input_ids)
+        cos = self._cos.index_select(0, batch.positions)[:, None, :]
+        sin = self._sin.index_select(0, batch.positions)[:, None, :]
+        t = h.shape[0]
+        for i, ((attn_norm, ffn_norm), lin) in enumerate(zip(self._norms, self._layers)):
+            x = F.rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
+            qkv = lin.wqkv(x)
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+            q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
+            k_pool, v_pool = pool.layer_view(i)
+            k_pool.index_copy_(0, batch.slot_mapping, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, batch.slot_mapping, v.to(v_pool.dtype))
+            if k_pool.dtype != q.dtype:
+                k_pool, v_pool = k_pool.to(q.dtype), v_pool.to(q.dtype)
+            attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size)
+            h = h + lin.wo(attn)
+            x = F.rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
+            gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
+            h = h + lin.w_down(F.silu(gate) * up)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        h = F.rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
+                       self._final_norm, c.rms_norm_eps)
+        return self._lm_head(h).float()
+
+
+class _LayerLinears:
+    def __init__(self, layer, backend: str):
+        self.wqkv = Linear(layer.wqkv, backend)
+        self.wo = Linear(layer.wo, backend)
+        self.w_gate_up = Linear(layer.w_gate_up, backend)
+        self.w_down = Linear(layer.w_down, backend)
+
+
+def _rope_tables(c: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+    freqs = torch.outer(torch.arange(c.max_position, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,66 @@
+"""A request's state inside a generator: tokens, blocks, progress and finish reason.
+
+Lifecycle: WAITING (queued; prompt KV not yet computed) -> RUNNING (in the decode batch) ->
+FINISHED (blocks released). A preempted sequence goes back to WAITING with its blocks freed and
+is recomputed from prompt + generated tokens. FINISHED is absorbing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.ids import BlockId, RequestId
+from engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended; the values are the OpenAI ``finish_reason`` strings."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    """One request inside the generator.
+
+    Attributes:
+        num_computed: tokens of `all_token_ids` whose K/V are in the pool.
+        block_table: blocks holding this sequence's K/V, in position order.
+    """
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[BlockId] = field(default_factory=list)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None
+    text: str = ""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def finish(self, reason: FinishReason) -> None:
+        if self.status != SeqStatus.FINISHED:
+            self.status = SeqStatus.FINISHED
+            self.finish_reason = reason

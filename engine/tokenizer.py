@@ -1,0 +1,211 @@
+"""Tokenizer, chat template and incremental detokenization with stop strings.
+
+Built from GGUF metadata (``tokenizer.ggml.*``, byte-level BPE "gpt2" models) or from a Hugging
+Face ``tokenizer.json`` + ``tokenizer_config.json``. The router imports this module alone of the
+engine, so it depends on ``tokenizers`` and ``jinja2`` only (plus ``gguf`` to read metadata).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from engine.errors import InvalidRequestError, TokenizerError
+
+# llama.cpp pre-tokenizer names -> split digits one by one before the byte-level regex
+# (source: llama.cpp src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM / STARCODER).
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "smaug-bpe", "gpt-2"}
+_CONTROL_TOKEN_TYPES = {3, 4}  # gguf TokenType.CONTROL, USER_DEFINED
+
+
+@dataclass
+class Tokenizer:
+    """Text <-> token ids, the chat template and the stop ids the template implies.
+
+    Attributes:
+        backend: a ``tokenizers.Tokenizer``.
+        eos_token_id: the end-of-sequence id from the model's metadata.
+        stop_token_ids: ids that end generation (EOS plus the template's end-of-turn token).
+        chat_template: Jinja2 source, or None when the model has none.
+        bos_token / eos_token: strings passed to the template.
+    """
+
+    backend: object
+    eos_token_id: int
+    stop_token_ids: frozenset[int]
+    chat_template: str | None
+    bos_token: str = ""
+    eos_token: str = ""
+    add_bos: bool = False
+    bos_token_id: int | None = None
+    _template: object = field(default=None, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it map to their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": str}]``) with the model's template.
+
+        Raises:
+            InvalidRequestError: no template, or the template rejects the messages.
+        """
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:
+            raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
+
+    def detokenizer(self, stop: Sequence[str] = ()) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, stop)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        """From a ``.gguf`` file or a Hugging Face directory. Raises `TokenizerError`."""
+        path = Path(path)
+        if path.is_dir():
+            return _from_hf_dir(path)
+        return _from_gguf(path)
+
+
+def _raise_template_error(message: str):
+    raise InvalidRequestError(f"chat template: {message}")
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    from engine.weights import _gguf_reader, gguf_field
+
+    reader = _gguf_reader(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if gguf_field(reader, "tokenizer.ggml.pre", "") in _DIGIT_SPLIT_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    special = [tokens[i] for i, t in enumerate(types) if t in _CONTROL_TOKEN_TYPES]
+    backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+    eos = int(gguf_field(reader, "tokenizer.ggml.eos_token_id", 0))
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    template = gguf_field(reader, "tokenizer.chat_template")
+    return Tokenizer(
+        backend=backend, eos_token_id=eos,
+        stop_token_ids=_stop_ids(vocab, eos, template),
+        chat_template=template, bos_token=tokens[bos] if bos is not None else "",
+        eos_token=tokens[eos], add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        bos_token_id=int(bos) if bos is not None else None,
+    )
+
+
+def _stop_ids(vocab: dict[str, int], eos: int, template: str | None) -> frozenset[int]:
+    ids = {eos}
+    for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        if end_of_turn in vocab and (template is None or end_of_turn in template):
+            ids.add(vocab[end_of_turn])
+    return frozenset(ids)
+
+
+def _from_hf_dir(path: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    file = path / "tokenizer.json"
+    if not file.exists():
+        raise TokenizerError(f"{path}: no tokenizer.json")
+    backend = HFTokenizer.from_file(str(file))
+    config = {}
+    if (path / "tokenizer_config.json").exists():
+        config = json.loads((path / "tokenizer_config.json").read_text())
+
+    def token_text(value):
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos_token = token_text(config.get("eos_token")) or "</s>"
+    bos_token = token_text(config.get("bos_token")) or ""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if eos_token not in vocab:
+        raise TokenizerError(f"{path}: eos token {eos_token!r} not in the vocabulary")
+    template = config.get("chat_template")
+    return Tokenizer(backend=backend, eos_token_id=vocab[eos_token],
+                     stop_token_ids=_stop_ids(vocab, vocab[eos_token], template),
+                     chat_template=template, bos_token=bos_token, eos_token=eos_token,
+                     add_bos=False, bos_token_id=vocab.get(bos_token))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, and finds stop strings.
+
+    Text that could still be the start of a stop string is held back until it cannot be, so a
+    streamed client never sees characters that are later cut. Incomplete UTF-8 sequences (the
+    decoder yields U+FFFD) are held back too. Method after vLLM's incremental detokenizer
+    (prefix/read offsets), simplified.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+        self._tok = tokenizer
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._ids: list[int] = []
+        self.text = ""          # all text decoded so far (truncated at a stop string)
+        self._emitted = 0       # characters of ``text`` already returned
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; returns the new text safe to show (possibly empty)."""
+        if self.stopped_by is not None:
+            return ""
+        self._ids.append(int(token_id))
+        full = self._tok.decode(self._ids)
+        if full.endswith("\ufffd"):
+            return ""
+        search_from = max(0, len(self.text) - self._hold)
+        self.text = full
+        for s in self._stop:
+            at = self.text.find(s, search_from)
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped_by = s
+                return self._take(len(self.text))
+        return self._take(len(self.text) - self._hold if self._stop else len(self.text))
+
+    def flush(self) -> str:
+        """The held-back remainder, at the end of generation."""
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        delta = self.text[self._emitted:upto]
+        self._emitted = upto
+        return delta

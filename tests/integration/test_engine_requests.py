@@ -1,0 +1,111 @@
+"""Engine behaviour on the real model: errors, aborts, stop conditions, the tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.errors import CapacityError, ContextLengthError, InvalidRequestError, ModelLoadError
+from engine.generator import Generator
+from engine.kv_cache import KVPool
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def gen(smollm):
+    pool = KVPool(smollm.config, CacheConfig(block_size=16, num_blocks=128))
+    return Generator(smollm.model, pool, smollm.tokenizer, SchedulerConfig(max_num_batched_tokens=256))
+
+
+def _chat(smollm, text):
+    tk = smollm.tokenizer
+    return tk.encode(tk.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def test_bad_requests_raise_typed_errors(gen, smollm):
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        gen.add_request("a", [], greedy)
+    with pytest.raises(ContextLengthError, match="context"):
+        gen.add_request("b", [1] * smollm.config.max_position, greedy)
+    with pytest.raises(ContextLengthError, match="max_tokens"):
+        gen.add_request("c", [1] * 10, SamplingParams(max_tokens=smollm.config.max_position))
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        gen.add_request("d", [1] * 10, SamplingParams(max_tokens=0))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        gen.add_request("e", [smollm.config.vocab_size + 5], greedy)
+    with pytest.raises(CapacityError, match="pool holds 128"):
+        gen.add_request("f", [1] * 3000, greedy)
+    assert not gen.has_unfinished() and gen.num_free_blocks == 128
+
+
+def test_missing_and_malformed_model_files(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match="malformed"):
+        load_model(bad)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path / "dir")
+
+
+def test_abort_returns_blocks_at_every_stage(gen, smollm):
+    params = SamplingParams(max_tokens=50, temperature=0)
+    long_prompt = _chat(smollm, "word " * 600)  # chunked over several steps
+    gen.add_request("waiting", _chat(smollm, "hi"), params)
+    gen.add_request("long", long_prompt, params)
+    gen.step()  # "waiting" and part of "long" prefilled
+    gen.add_request("queued", _chat(smollm, "hello there"), params)
+    assert gen.num_free_blocks < 128
+    for rid in ("long", "waiting", "queued"):
+        out = gen.abort(rid)
+        assert out.finish_reason == FinishReason.ABORT
+    assert gen.abort("unknown") is None
+    assert gen.num_free_blocks == 128 and not gen.has_unfinished()
+
+
+def test_stop_token_stop_string_and_length(gen, smollm):
+    prompt = _chat(smollm, "What is the capital of France?")
+    [natural] = gen.generate([prompt], SamplingParams(max_tokens=60, temperature=0))
+    assert natural.finish_reason == FinishReason.STOP
+    assert natural.token_ids[-1] in smollm.tokenizer.stop_token_ids
+    assert "Paris" in natural.text and "<|im_end|>" not in natural.text
+    [cut] = gen.generate([prompt], SamplingParams(max_tokens=60, temperature=0, stop=("Paris",)))
+    assert cut.finish_reason == FinishReason.STOP
+    assert cut.text == natural.text[: natural.text.index("Paris")]
+    [short] = gen.generate([prompt], SamplingParams(max_tokens=3, temperature=0))
+    assert short.finish_reason == FinishReason.LENGTH and short.token_ids == natural.token_ids[:3]
+    assert gen.num_free_blocks == 128
+
+
+def test_seeded_sampling_is_reproducible_across_batches(gen, smollm):
+    prompt = _chat(smollm, "Tell me a story.")
+    p = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
+    [alone] = gen.generate([prompt], p)
+    batch = gen.generate([prompt, _chat(smollm, "Other"), prompt], p, arrival_steps=[0, 0, 3])
+    assert batch[0].token_ids == alone.token_ids == batch[2].token_ids
+
+
+def test_tokenizer_round_trip_and_template(smollm):
+    tk = smollm.tokenizer
+    text = "Hello, world! 12345 ñandú 😀\n\tend"
+    assert tk.decode(tk.encode(text)) == text
+    assert tk.encode("<|im_end|>") == [2]
+    assert tk.stop_token_ids == frozenset({2})
+    rendered = tk.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered.endswith("<|im_start|>assistant\n") and "<|im_start|>system" in rendered
+
+
+def test_streamed_deltas_join_to_the_final_text(smollm):
+    tk = smollm.tokenizer
+    ids = tk.encode("Café ☕ costs 3.50€ — see https://example.com/a?b=c END")
+    detok = tk.detokenizer(stop=("END",))
+    text = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert text == "Café ☕ costs 3.50€ — see https://example.com/a?b=c "
+    assert detok.stopped_by == "END"
