@@ -25,7 +25,7 @@ import torch
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from engine.ids import RequestId
+from engine.ids import BlockId, RequestId
 from engine.kv_cache import KVPool, blocks_needed
 from engine.model import LlamaModel
 from engine.sampling import SamplingParams, sample
@@ -128,6 +128,40 @@ class Generator:
             seq.detokenizer = self.tokenizer.detokenizer(params.stop)
         self.waiting.append(seq)
         self._by_id[rid] = seq
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                      block_table: Seq[BlockId], params: SamplingParams) -> StepOutput | None:
+        """Join a request whose prompt K/V already sit in ``block_table`` (written by a prefill
+        worker) to the running batch, with the first token the prefill sampled.
+
+        Ownership of ``block_table`` passes to the generator: it frees the blocks when the request
+        finishes or is aborted. The first token counts towards ``max_tokens`` and stop checks; the
+        next `step` computes its K/V and samples the second token.
+
+        Returns:
+            A finished `StepOutput` when the first token already ends the request (then the blocks
+            are freed), else None.
+        Raises:
+            InvalidRequestError / ContextLengthError: as `add_request`.
+            ValueError: duplicate request id, or ``block_table`` too short for the prompt.
+        """
+        rid = RequestId(request_id)
+        if rid in self._by_id:
+            raise ValueError(f"request {rid!r} is already in flight")
+        c = self.model.config
+        validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
+        if len(block_table) * self.pool.block_size < len(prompt_token_ids):
+            raise ValueError(f"{len(block_table)} blocks cannot hold a {len(prompt_token_ids)}-token prompt")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
+        seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator(),
+                       block_table=list(block_table), num_computed=len(prompt_token_ids),
+                       status=SeqStatus.RUNNING)
+        if self.tokenizer is not None:
+            seq.detokenizer = self.tokenizer.detokenizer(params.stop)
+        self._by_id[rid] = seq
+        self.running.append(seq)
+        out = self._append(seq, int(first_token))
+        return out if out.finished else None
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Stop a request and free its blocks; None when it is not in flight."""

@@ -109,3 +109,28 @@ def test_streamed_deltas_join_to_the_final_text(smollm):
     text = "".join(detok.add(t) for t in ids) + detok.flush()
     assert text == "Café ☕ costs 3.50€ — see https://example.com/a?b=c "
     assert detok.stopped_by == "END"
+
+
+def test_add_prefilled_continues_exactly_like_a_local_prefill(gen, smollm):
+    """The decode-side entry: prompt KV computed elsewhere + first token -> same greedy tokens."""
+    from engine.attention import ForwardBatch, SeqChunk
+    from engine.kv_cache import blocks_needed
+
+    prompt = _chat(smollm, "Name three colours.")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [local] = gen.generate([prompt], params)
+    # "remote" prefill: compute the prompt's KV into blocks of the same pool by hand
+    blocks = gen.pool.allocator.allocate(blocks_needed(len(prompt), 16))
+    logits = smollm.model.forward(ForwardBatch.build([SeqChunk(prompt, 0, blocks)], 16), gen.pool)
+    first = int(logits[0].argmax())
+    assert gen.add_prefilled("p", prompt, first, blocks, params) is None
+    tokens = [first]
+    while gen.has_unfinished():
+        for out in gen.step():
+            tokens += out.new_token_ids
+    assert tokens == local.token_ids
+    assert gen.num_free_blocks == 128
+    blocks = gen.pool.allocator.allocate(blocks_needed(len(prompt), 16))
+    done = gen.add_prefilled("q", prompt, 2, blocks, SamplingParams(max_tokens=5, temperature=0))
+    assert done is not None and done.finish_reason == FinishReason.STOP
+    assert gen.num_free_blocks == 128

@@ -1,0 +1,134 @@
+"""Worker configuration: one frozen dataclass, validated when built; CLI flags mirror the fields.
+
+Environment variables are read in one place only, `WorkerConfig.from_args`: ``PDSERVE_SECRET``
+(cluster secret shared by the data plane) when ``--secret-file`` is not given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from dataclasses import dataclass, fields
+
+DEV_SECRET = b"pdserve-development-secret-do-not-use"
+ROLES = ("prefill", "decode")
+TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one prefill or decode worker.
+
+    Fields:
+        role: "prefill" or "decode".
+        router: host:port of the router's Registry gRPC service.
+        listen: host:port this worker's gRPC server binds (port 0: pick a free one).
+        advertise_host: host the router and peers should dial (default: the listen host).
+        worker_id: unique name (default: role-hostname-random).
+        model: GGUF file or HF directory (None: SmolLM2-135M-Instruct).
+        dtype: "float32" or "bfloat16" (weights and KV pool).
+        num_blocks: KV pool blocks of ``block_size`` tokens.
+        block_size: tokens per KV block.
+        max_num_seqs: decode: most sequences in the running batch.
+        max_num_batched_tokens: prefill: most prompt tokens per forward pass (longer prompts are
+            chunked).
+        threads: torch threads of this process.
+        transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
+        transfer_port: port of the data-plane listener (0: ephemeral).
+        max_write_bytes: largest single KV write (bytes); writes are split above it.
+        heartbeat_interval_s: seconds between heartbeats (the router may override at register).
+        transfer_timeout_s: decode: deadline for a reservation's KV to arrive, from Reserve.
+        prefill_timeout_s: prefill: lease of a request (compute + transfer), seconds.
+        quarantine_s: decode: how long blocks of a failed transfer stay out of the pool when the
+            writer's stop cannot be confirmed (must exceed every writer's lease).
+        secret: cluster secret authenticating data-plane peers (>= 16 bytes).
+    """
+
+    role: str
+    router: str = "127.0.0.1:50050"
+    listen: str = "127.0.0.1:0"
+    advertise_host: str = ""
+    worker_id: str = ""
+    model: str | None = None
+    dtype: str = "float32"
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    threads: int = 1
+    transfer_engine: str = "auto"
+    transfer_port: int = 0
+    max_write_bytes: int = 4 << 20
+    heartbeat_interval_s: float = 1.0
+    transfer_timeout_s: float = 30.0
+    prefill_timeout_s: float = 60.0
+    quarantine_s: float = 90.0
+    secret: bytes = DEV_SECRET
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transfer_engine not in TRANSFER_ENGINES:
+            raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "threads",
+                     "max_write_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("heartbeat_interval_s", "transfer_timeout_s", "prefill_timeout_s", "quarantine_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.quarantine_s <= self.prefill_timeout_s:
+            raise ValueError("quarantine_s must exceed prefill_timeout_s (a writer's lease)")
+        if len(self.secret) < 16:
+            raise ValueError("the cluster secret must be at least 16 bytes")
+        _split_hostport(self.listen)
+        _split_hostport(self.router)
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+
+    @property
+    def listen_host(self) -> str:
+        return _split_hostport(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return _split_hostport(self.listen)[1]
+
+    @property
+    def host_for_peers(self) -> str:
+        return self.advertise_host or self.listen_host
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--flag`` per field (``secret`` becomes ``--secret-file``)."""
+        for f in fields(cls):
+            if f.name in ("role", "secret"):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, dest=f.name)
+        parser.add_argument("--secret-file", default=None,
+                            help="file holding the cluster secret (default: $PDSERVE_SECRET)")
+
+    @classmethod
+    def from_args(cls, role: str, args: argparse.Namespace) -> "WorkerConfig":
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in ("role", "secret")}
+        return cls(role=role, secret=read_secret(args.secret_file), **values)
+
+
+def read_secret(path: str | None) -> bytes:
+    """The cluster secret: from ``path``, else ``$PDSERVE_SECRET``, else the development secret."""
+    if path:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    env = os.environ.get("PDSERVE_SECRET")
+    return env.encode() if env else DEV_SECRET
+
+
+def _split_hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,152 @@
+"""Process set-up shared by both roles, and the serve loop.
+
+Lifecycle of a worker process (`serve`):
+1. `build_resources`: load the model, allocate the KV pool (in shared memory for a decode worker
+   whose engine may use shm), create the transfer engine and register the pool with it.
+2. Build the role's service, start the gRPC server, register with the router and heartbeat.
+3. SIGTERM / SIGINT: drain (refuse new work, finish in-flight requests up to a deadline), leave
+   the router, stop the gRPC server, close the service and the transfer engine. Exit code 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import grpc
+import torch
+
+from engine.config import CacheConfig, compatibility_hash
+from engine.kv_cache import KVPool
+from engine.loader import LoadedModel, load_model, set_torch_threads
+from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine,
+                        allocate_shared_buffer, create_engine)
+from kvtransfer.endpoint import local_host_id
+from rpc import PROTOCOL_VERSION
+from rpc import pdserve_pb2 as pb
+from worker.config import WorkerConfig
+from worker.registration import RegistrationClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerResources:
+    """What every worker holds: model, KV pool, transfer engine and the pool's registration."""
+
+    config: WorkerConfig
+    loaded: LoadedModel
+    cache: CacheConfig
+    pool: KVPool
+    layout: KVLayout
+    transfer: TransferEngine
+    region: MemoryRegion
+    compat_hash: str
+    shared: object | None = None
+
+    def close(self) -> None:
+        self.transfer.close()
+        if self.shared is not None:
+            self.shared.close()
+
+
+def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None,
+                    loaded: LoadedModel | None = None) -> WorkerResources:
+    """Load the model and set up the pool + transfer engine (see module docstring).
+
+    Raises:
+        ModelLoadError, kvtransfer.EngineUnavailableError, ValueError.
+    """
+    set_torch_threads(config.threads)
+    loaded = loaded or load_model(config.model, config.dtype)
+    cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks, dtype=config.dtype)
+    nbytes = KVPool.nbytes_for(loaded.config, cache)
+    shared = None
+    if config.role == "decode" and config.transfer_engine in ("auto", "shm"):
+        buffer, shared = allocate_shared_buffer(nbytes)
+    else:
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    pool = KVPool(loaded.config, cache, buffer=buffer)
+    engine_config = EngineConfig(secret=config.secret, bind_host=config.listen_host,
+                                 advertise_host=config.advertise_host, port=config.transfer_port)
+    transfer = create_engine(config.transfer_engine, engine_config, arrivals)
+    region = transfer.register_memory(buffer[:nbytes], shared=shared)
+    return WorkerResources(config, loaded, cache, pool, KVLayout.from_tensor(pool.kv), transfer, region,
+                           compatibility_hash(loaded.config, cache), shared)
+
+
+class WorkerService(Protocol):
+    """What `serve` needs from a role's service object."""
+
+    def add_to_server(self, server: grpc.Server) -> None: ...
+    def load(self) -> pb.LoadStats: ...
+    def drain(self, timeout_s: float) -> None: ...
+    def close(self) -> None: ...
+
+
+def worker_info(res: WorkerResources, address: str) -> pb.WorkerInfo:
+    c = res.config
+    return pb.WorkerInfo(
+        worker_id=c.worker_id, role=pb.PREFILL if c.role == "prefill" else pb.DECODE,
+        grpc_address=address, host_id=local_host_id(), protocol_version=PROTOCOL_VERSION,
+        compat_hash=res.compat_hash, model_name=res.loaded.config.name, num_blocks=c.num_blocks,
+        block_size=c.block_size, transfer_engine=c.transfer_engine)
+
+
+class WorkerServer:
+    """A running worker: gRPC server + registration. `stop` drains and shuts everything down."""
+
+    def __init__(self, res: WorkerResources, service: WorkerService, max_rpc_threads: int = 64):
+        self.res = res
+        self.service = service
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_rpc_threads,
+                                                             thread_name_prefix=f"{res.config.role}-rpc"))
+        service.add_to_server(self.server)
+        c = res.config
+        port = self.server.add_insecure_port(f"{c.listen_host}:{c.listen_port}")
+        if port == 0:
+            raise OSError(f"cannot bind gRPC server to {c.listen}")
+        self.address = f"{c.host_for_peers}:{port}"
+        self.stopped = threading.Event()
+        self.registration = RegistrationClient(c.router, worker_info(res, self.address), service.load,
+                                               c.heartbeat_interval_s, on_refused=self._refused)
+
+    def _refused(self, reason: str) -> None:
+        log.error("registration refused: %s", reason)
+        self.stopped.set()
+
+    def start(self) -> None:
+        self.server.start()
+        self.registration.start()
+        log.info("%s worker %s serving on %s", self.res.config.role, self.res.config.worker_id, self.address)
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Drain, leave the router, stop the server, release everything. Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self.service.drain(drain_timeout_s)
+        self.registration.close(leave=True)
+        self.server.stop(grace=2.0).wait()
+        self.service.close()
+        self.res.close()
+        self.stopped.set()
+
+
+def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerServer]) -> int:
+    """Run a worker until SIGTERM/SIGINT; returns the process exit code."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.worker_id} %(levelname)s %(name)s: %(message)s")
+    server = build(config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    while not stop.is_set() and not server.stopped.is_set():
+        stop.wait(0.5)
+    refused = server.stopped.is_set() and not stop.is_set()
+    server.stop()
+    return 3 if refused else 0
