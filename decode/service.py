@@ -76,6 +76,23 @@ class DecodeService(pb_grpc.DecodeServicer):
         except KVTransferError as exc:
             context.abort(grpc.StatusCode.ABORTED, f"KV transfer: {exc}")
         context.add_callback(lambda: self.worker.abort(rid))  # client gone -> blocks return
+        yield from self._stream(r)
+
+    def Generate(self, request, context):
+        rid = request.request_id
+        try:
+            params = sampling_from_proto(request.sampling)
+            r = self.worker.generate_local(rid, list(request.prompt_token_ids), params)
+        except CapacityError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DrainingError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except (InvalidRequestError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: self.worker.abort(rid))
+        yield from self._stream(r)
+
+    def _stream(self, r):
         while True:
             out = r.outputs.get()
             reason = out.finish_reason.value if out.finish_reason is not None else ""

@@ -174,6 +174,23 @@ class DecodeWorker:
             self._lock.notify_all()
         return r
 
+    def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+        """Colocated serving: prefill and decode here, no transfer. Outputs arrive on the returned
+        reservation's queue as for `start_decode` (the first output carries the first token).
+
+        Raises DrainingError, InvalidRequestError / ContextLengthError, CapacityError, ValueError.
+        """
+        with self._lock:
+            if self._draining:
+                raise DrainingError("decode worker is draining")
+            if request_id in self._reservations:
+                raise ValueError(f"request {request_id!r} already in flight")
+            self.gen.add_request(request_id, prompt_token_ids, params)
+            r = Reservation(request_id, [], -1, -1, float("inf"), state=ResState.DECODING)
+            self._reservations[request_id] = r
+            self._lock.notify_all()
+            return r
+
     def abort(self, request_id: str, writer_stopped: bool = False) -> bool:
         """Abort a reserved, transferring or decoding request; False if unknown."""
         with self._lock:

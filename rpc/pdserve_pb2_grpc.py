@@ -547,6 +547,11 @@ class DecodeStub:
                 request_serializer=rpc_dot_pdserve__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/pdserve.v1.Decode/Generate',
+                request_serializer=rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.TokenChunk.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Decode/Abort',
                 request_serializer=rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -597,6 +602,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """first chunk = first token
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -641,6 +653,11 @@ def add_DecodeServicer_to_server(servicer, server):
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=rpc_dot_pdserve__pb2.DecodeRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.TokenChunk.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=rpc_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -793,6 +810,33 @@ class Decode:
             target,
             '/pdserve.v1.Decode/Decode',
             rpc_dot_pdserve__pb2.DecodeRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Decode/Generate',
+            rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             rpc_dot_pdserve__pb2.TokenChunk.FromString,
             options,
             channel_credentials,

@@ -144,3 +144,19 @@ def test_cancelled_decode_stream_frees_blocks(pair, smollm):
     while decode.Stats(pb.StatsRequest()).load.free_blocks != 256 and time.monotonic() < end:
         time.sleep(0.1)
     assert decode.Stats(pb.StatsRequest()).load.free_blocks == 256
+
+
+def test_colocated_generate_equals_single_process(pair, smollm):
+    prefill, decode, engine = pair
+    tk = smollm.tokenizer
+    prompt = tk.encode(tk.apply_chat_template([{"role": "user", "content": "Name a large animal."}]))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    [expected] = build_generator(smollm, CacheConfig(num_blocks=64)).generate([prompt], params)
+    tokens = []
+    for chunk in decode.Generate(pb.GenerateRequest(request_id=f"co-{engine}", prompt_token_ids=prompt,
+                                                    sampling=sampling_to_proto(params))):
+        tokens += chunk.token_ids
+        if chunk.finish_reason:
+            assert chunk.finish_reason == "length"
+    assert tokens == expected.token_ids
+    assert decode.Stats(pb.StatsRequest()).load.free_blocks == 256

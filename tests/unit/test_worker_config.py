@@ -1,0 +1,51 @@
+"""Worker configuration and protocol conversions: pure logic."""
+
+import argparse
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams
+from rpc import pdserve_pb2 as pb
+from worker.config import WorkerConfig
+from worker.convert import sampling_from_proto, sampling_to_proto
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_and_generated_worker_id():
+    c = WorkerConfig(role="decode")
+    assert c.worker_id.startswith("decode-") and c.listen_port == 0 and c.host_for_peers == "127.0.0.1"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"role": "router"}, "role"),
+    ({"role": "decode", "transfer_engine": "udp"}, "transfer_engine"),
+    ({"role": "decode", "num_blocks": 0}, "num_blocks"),
+    ({"role": "decode", "listen": "nohost"}, "host:port"),
+    ({"role": "decode", "secret": b"short"}, "secret"),
+    ({"role": "decode", "quarantine_s": 10.0}, "quarantine_s"),
+])
+def test_invalid_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WorkerConfig(**kwargs)
+
+
+def test_cli_flags_mirror_fields(monkeypatch):
+    monkeypatch.setenv("PDSERVE_SECRET", "0123456789abcdef-from-env")
+    ap = argparse.ArgumentParser()
+    WorkerConfig.add_arguments(ap)
+    c = WorkerConfig.from_args("prefill", ap.parse_args(["--num-blocks", "64", "--transfer-engine", "tcp",
+                                                         "--transfer-timeout-s", "5"]))
+    assert (c.num_blocks, c.transfer_engine, c.transfer_timeout_s) == (64, "tcp", 5.0)
+    assert c.secret == b"0123456789abcdef-from-env"
+
+
+def test_sampling_round_trip_and_validation():
+    p = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, seed=3, stop_token_ids=(2,))
+    back = sampling_from_proto(sampling_to_proto(p))
+    assert back.max_tokens == 7 and back.top_k == 20 and back.seed == 3 and back.stop_token_ids == (2,)
+    assert abs(back.temperature - 0.5) < 1e-6 and abs(back.top_p - 0.9) < 1e-6
+    assert sampling_from_proto(pb.SamplingParams(max_tokens=1)).seed is None
+    with pytest.raises(InvalidRequestError):
+        sampling_from_proto(pb.SamplingParams(max_tokens=0))
