@@ -1,0 +1,92 @@
+"""Control-plane authentication: every gRPC call carries a token derived from the cluster secret.
+
+The token is ``HMAC-SHA256(secret, "pdserve-control/v<PROTOCOL_VERSION>")`` in hex, sent as the
+``x-pdserve-token`` metadata entry; servers compare it in constant time and answer
+``UNAUTHENTICATED`` otherwise. Without TLS the token crosses the network in clear text (it proves
+membership, it does not hide traffic); give certificates (`server_credentials` /
+`channel_credentials`) to encrypt and authenticate the channel as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+import grpc
+
+from rpc import PROTOCOL_VERSION
+
+TOKEN_HEADER = "x-pdserve-token"
+
+
+def control_token(secret: bytes) -> str:
+    """The bearer token all cluster members derive from ``secret`` (bytes, >= 16)."""
+    if len(secret) < 16:
+        raise ValueError("the cluster secret must be at least 16 bytes")
+    return hmac.new(secret, f"pdserve-control/v{PROTOCOL_VERSION}".encode(), hashlib.sha256).hexdigest()
+
+
+class ServerAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects calls without the cluster token (status UNAUTHENTICATED)."""
+
+    def __init__(self, secret: bytes):
+        self._token = control_token(secret).encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        md = dict(handler_call_details.invocation_metadata or ())
+        got = md.get(TOKEN_HEADER, "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._token):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._md = ((TOKEN_HEADER, token),)
+
+    def _details(self, d):
+        md = tuple(d.metadata or ()) + self._md
+        return d._replace(metadata=md) if hasattr(d, "_replace") else _Details(d, md)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d, metadata):
+        self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
+        self.wait_for_ready, self.compression = d.wait_for_ready, d.compression
+        self.metadata = metadata
+
+
+def client_interceptor(secret: bytes):
+    """A sync-channel interceptor adding the token (``grpc.intercept_channel(ch, it)``)."""
+    return _ClientAuth(control_token(secret))
+
+
+def call_metadata(secret: bytes) -> tuple[tuple[str, str], ...]:
+    """Metadata to pass explicitly (e.g. with grpc.aio calls)."""
+    return ((TOKEN_HEADER, control_token(secret)),)
+
+
+def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    """TLS credentials for a server from PEM files."""
+    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())])
+
+
+def channel_credentials(ca_file: str | None) -> grpc.ChannelCredentials:
+    """TLS credentials for a client; ``ca_file`` None uses the system roots."""
+    return grpc.ssl_channel_credentials(Path(ca_file).read_bytes() if ca_file else None)
