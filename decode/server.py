@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from decode.service import DecodeService
-from decode.worker import DecodeWorker
+from decode.worker import DecodeArrivals, DecodeWorker
 from kvtransfer import CompletionCounter
 from worker.config import WorkerConfig
 from worker.runtime import WorkerServer, build_resources
@@ -13,7 +13,7 @@ NUM_TRANSFER_SLOTS = 1024
 
 def build_decode_server(config: WorkerConfig, loaded=None) -> WorkerServer:
     """A ready-to-start decode `WorkerServer` (``loaded`` lets tests share one loaded model)."""
-    counter = CompletionCounter(NUM_TRANSFER_SLOTS)
-    res = build_resources(config, arrivals=counter, loaded=loaded)
-    worker = DecodeWorker(res, counter)
+    arrivals = DecodeArrivals(CompletionCounter(NUM_TRANSFER_SLOTS))
+    res = build_resources(config, arrivals=arrivals, loaded=loaded)
+    worker = DecodeWorker(res, arrivals)
     return WorkerServer(res, DecodeService(res, worker))

@@ -37,7 +37,8 @@ from engine.ids import BlockId
 from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
-from kvtransfer import CompletionCounter, KVTransferError, PeerLostError, TransferError, TransferTimeout
+from kvtransfer import (CompletionCounter, KVTransferError, PeerLostError, TransferError, TransferTimeout,
+                        unpack_immediate)
 from worker.runtime import WorkerResources
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,37 @@ class Reservation:
         self.state = new
 
 
+class DecodeArrivals:
+    """The transfer engine's arrival sink for a decode worker: feeds the `CompletionCounter` and
+    remembers which writer endpoints wrote into which (slot, generation), so that quarantined
+    blocks are freed as soon as every writer that touched them has lost its connection."""
+
+    def __init__(self, counter: CompletionCounter):
+        self.counter = counter
+        self._sources: dict[tuple[int, int], set[str]] = {}
+        self._lock = threading.Lock()
+        self.on_lost: list = []
+
+    def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+        self.counter.on_immediate(imm, source, count)
+        try:
+            d = unpack_immediate(imm)
+        except ValueError:
+            return
+        with self._lock:
+            self._sources.setdefault((d.slot, d.generation), set()).add(source)
+
+    def on_peer_lost(self, source: str, error: TransferError) -> None:
+        self.counter.on_peer_lost(source, error)
+        for callback in list(self.on_lost):
+            callback(source)
+
+    def take_sources(self, slot: int, generation: int) -> set[str]:
+        """The writers seen for (slot, generation), forgetting them."""
+        with self._lock:
+            return self._sources.pop((slot, generation), set())
+
+
 class DecodeWorker:
     """Reservations + KV arrival counting + the decode loop over one KV pool.
 
@@ -95,16 +127,19 @@ class DecodeWorker:
         counter: the `CompletionCounter` the transfer engine feeds.
     """
 
-    def __init__(self, res: WorkerResources, counter: CompletionCounter):
+    def __init__(self, res: WorkerResources, arrivals: DecodeArrivals):
         c = res.config
         self.res = res
-        self.counter = counter
+        self.arrivals = arrivals
+        self.counter = arrivals.counter
+        arrivals.on_lost.append(self._writer_lost)
         self.gen = Generator(res.loaded.model, res.pool, None,
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens))
         self._lock = threading.Condition()
         self._reservations: dict[str, Reservation] = {}
-        self._quarantine: list[tuple[float, list[BlockId]]] = []
+        # (expiry, blocks, writers that may still write into them)
+        self._quarantine: list[tuple[float, list[BlockId], set[str]]] = []
         self._draining = False
         self._stop = threading.Event()
         self.metrics = {"transfers_completed": 0, "transfers_failed": 0, "reservations_expired": 0,
@@ -166,6 +201,7 @@ class DecodeWorker:
             if r.state != ResState.WAITING_KV:  # aborted while waiting
                 raise TransferError(f"request {request_id} was aborted")
             self.counter.release(r.slot, r.generation)
+            self.arrivals.take_sources(r.slot, r.generation)
             self.metrics["transfers_completed"] += 1
             r.move(ResState.DECODING)
             done = self.gen.add_prefilled(request_id, prompt_token_ids, first_token, r.blocks, params)
@@ -248,11 +284,12 @@ class DecodeWorker:
             return
         r.move(ResState.FAILED)
         self.counter.release(r.slot, r.generation)
+        writers = self.arrivals.take_sources(r.slot, r.generation)
         self.metrics["transfers_failed"] += 1
         if r.writer_stopped or isinstance(error, PeerLostError):
             self.res.pool.allocator.free(r.blocks)
         else:
-            self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, r.blocks))
+            self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, r.blocks, writers))
             self.metrics["blocks_quarantined"] += len(r.blocks)
         r.outputs.put(StepOutput(r.request_id, [], "", FinishReason.ABORT, 0, 0))
         del self._reservations[r.request_id]
@@ -273,21 +310,25 @@ class DecodeWorker:
                 self.metrics["reservations_expired"] += 1
                 self._fail(r, TransferTimeout(f"reservation {r.request_id} expired"))
         keep = []
-        for until, blocks in self._quarantine:
+        for until, blocks, writers in self._quarantine:
             if now >= until:
                 self.res.pool.allocator.free(blocks)
             else:
-                keep.append((until, blocks))
+                keep.append((until, blocks, writers))
         self._quarantine = keep
 
-    def release_quarantine(self) -> int:
-        """Free every quarantined block (the writers' connections are gone); returns how many."""
+    def _writer_lost(self, source: str) -> None:
+        """A writer's connection is gone: it can no longer write into the blocks it touched."""
         with self._lock:
-            n = sum(len(b) for _, b in self._quarantine)
-            for _, blocks in self._quarantine:
-                self.res.pool.allocator.free(blocks)
-            self._quarantine = []
-            return n
+            keep = []
+            for until, blocks, writers in self._quarantine:
+                if source in writers:
+                    writers.discard(source)
+                    if not writers:
+                        self.res.pool.allocator.free(blocks)
+                        continue
+                keep.append((until, blocks, writers))
+            self._quarantine = keep
 
     def _loop(self) -> None:
         while not self._stop.is_set():
