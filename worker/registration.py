@@ -16,6 +16,7 @@ import grpc
 
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
+from rpc.auth import client_interceptor
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ class RegistrationClient:
         interval_s: heartbeat period (seconds), unless the router says otherwise.
         on_refused: called once with the reason if the router refuses registration; the thread
             then stops.
+        secret: the cluster secret; its control token (`rpc.auth`) goes with every call.
     """
 
     def __init__(self, router: str, info: pb.WorkerInfo, load: Callable[[], pb.LoadStats],
-                 interval_s: float = 1.0, on_refused: Callable[[str], None] | None = None):
+                 interval_s: float = 1.0, on_refused: Callable[[str], None] | None = None,
+                 secret: bytes | None = None):
         self._router = router
         self._info = info
         self._load = load
@@ -45,7 +48,9 @@ class RegistrationClient:
         self._on_refused = on_refused
         self._stop = threading.Event()
         self._channel = grpc.insecure_channel(router)
-        self._stub = pb_grpc.RegistryStub(self._channel)
+        channel = self._channel if secret is None else grpc.intercept_channel(self._channel,
+                                                                                client_interceptor(secret))
+        self._stub = pb_grpc.RegistryStub(channel)
         self._thread = threading.Thread(target=self._run, name="registry-client", daemon=True)
         self.registered = threading.Event()
         self._refused = False

@@ -27,6 +27,7 @@ from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, Tr
                         allocate_shared_buffer, create_engine)
 from kvtransfer.endpoint import local_host_id
 from rpc import PROTOCOL_VERSION
+from rpc.auth import ServerAuthInterceptor
 from rpc import pdserve_pb2 as pb
 from worker.config import WorkerConfig
 from worker.registration import RegistrationClient
@@ -104,7 +105,8 @@ class WorkerServer:
         self.res = res
         self.service = service
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_rpc_threads,
-                                                             thread_name_prefix=f"{res.config.role}-rpc"))
+                                                             thread_name_prefix=f"{res.config.role}-rpc"),
+                                  interceptors=[ServerAuthInterceptor(res.config.secret)])
         service.add_to_server(self.server)
         c = res.config
         port = self.server.add_insecure_port(f"{c.listen_host}:{c.listen_port}")
@@ -113,7 +115,8 @@ class WorkerServer:
         self.address = f"{c.host_for_peers}:{port}"
         self.stopped = threading.Event()
         self.registration = RegistrationClient(c.router, worker_info(res, self.address), service.load,
-                                               c.heartbeat_interval_s, on_refused=self._refused)
+                                               c.heartbeat_interval_s, on_refused=self._refused,
+                                               secret=c.secret)
 
     def _refused(self, reason: str) -> None:
         log.error("registration refused: %s", reason)

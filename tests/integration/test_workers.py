@@ -20,9 +20,12 @@ from engine.loader import build_generator
 from engine.sampling import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
+from rpc.auth import client_interceptor
+from worker.config import DEV_SECRET
 from worker.convert import sampling_to_proto
 
 pytestmark = pytest.mark.integration
+ADDRESSES: dict[str, str] = {}
 
 
 def free_port() -> int:
@@ -39,8 +42,8 @@ def start_worker(role: str, *flags: str) -> tuple[subprocess.Popen, str]:
     return proc, f"127.0.0.1:{port}"
 
 
-def wait_ready(address: str, stub_cls, proc: subprocess.Popen, timeout: float = 60.0):
-    channel = grpc.insecure_channel(address)
+def wait_ready(address: str, stub_cls, proc: subprocess.Popen, timeout: float = 180.0):
+    channel = grpc.intercept_channel(grpc.insecure_channel(address), client_interceptor(DEV_SECRET))
     stub = stub_cls(channel)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -69,6 +72,7 @@ def pair(request):
     dproc, daddr = start_worker("decode", "--transfer-engine", engine)
     pproc, paddr = start_worker("prefill", "--transfer-engine", engine)
     try:
+        ADDRESSES.update(prefill=paddr, decode=daddr)
         decode, dch = wait_ready(daddr, pb_grpc.DecodeStub, dproc)
         prefill, pch = wait_ready(paddr, pb_grpc.PrefillStub, pproc)
         # broker the data plane exactly as the router does
@@ -125,6 +129,17 @@ def test_reserve_refuses_when_full_and_abort_returns_blocks(pair):
     assert decode.Abort(pb.AbortRequest(request_id="ab", writer_stopped=True)).found
     assert decode.Stats(pb.StatsRequest()).load.free_blocks == 256
     assert not decode.Abort(pb.AbortRequest(request_id="ab")).found
+
+
+def test_worker_refuses_calls_without_the_cluster_token(pair):
+    for address in ADDRESSES.values():
+        for secret in (None, b"not-the-cluster-secret-0123"):
+            channel = grpc.insecure_channel(address)
+            if secret is not None:
+                channel = grpc.intercept_channel(channel, client_interceptor(secret))
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.DecodeStub(channel).Stats(pb.StatsRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_cancelled_decode_stream_frees_blocks(pair, smollm):
