@@ -1,6 +1,7 @@
 """The ``pdserve`` command.
 
     pdserve generate "prompt"     # the single-process engine answers one prompt
+    pdserve up                    # router + 1 prefill + 1 decode on http://127.0.0.1:8000
 
 Every flag mirrors a config field; environment variables are not read here (see
 `engine.loader.set_torch_threads` for ``PDSERVE_THREADS``).
@@ -44,6 +45,60 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from deploy.launcher import Cluster, LauncherConfig, LaunchError
+
+    try:
+        config = LauncherConfig(
+            num_prefill=args.prefill, num_decode=args.decode, http_host=args.http_host,
+            http_port=args.http_port, registry_port=args.registry_port,
+            transfer_engine=args.transfer_engine, model=args.model, num_blocks=args.num_blocks,
+            threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
+            grace_s=args.grace)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    wake = threading.Event()
+    stop_signal: list[int] = []
+
+    def on_signal(signum, _frame):
+        stop_signal.append(signum)
+        wake.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGCHLD, lambda *_: wake.set())
+    cluster = Cluster(config)
+    print(f"starting router + {config.num_prefill} prefill + {config.num_decode} decode "
+          f"(logs in {cluster.log_dir}) ...", flush=True)
+    try:
+        cluster.start()
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if stop_signal:  # Ctrl-C during start-up
+        cluster.stop()
+        return 0
+    print(f"pdserve is up: {cluster.url}/v1  (OpenAI API; Ctrl-C stops)", flush=True)
+    try:
+        while not stop_signal:
+            wake.wait(5.0)
+            wake.clear()
+            dead = cluster.dead_children()
+            if dead and not stop_signal:
+                for child in dead:
+                    print(f"error: {child.name} exited with code {child.popen.returncode}; log "
+                          f"{child.log_path}:\n{child.log_tail()}", file=sys.stderr)
+                return 1
+    finally:
+        print("stopping ...", flush=True)
+        cluster.stop()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -59,6 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (16 tokens each)")
     _add_model_flags(g)
     g.set_defaults(func=_generate)
+    u = sub.add_parser("up", help="run router + prefill + decode workers on this host")
+    u.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    u.add_argument("--decode", type=int, default=1, help="decode workers")
+    u.add_argument("--http-host", default="127.0.0.1")
+    u.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0: any free port)")
+    u.add_argument("--registry-port", type=int, default=50050, help="router's worker registry port")
+    u.add_argument("--transfer-engine", default="auto", choices=["auto", "tcp", "shm", "verbs"])
+    u.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks per worker")
+    u.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
+    u.add_argument("--startup-timeout", type=float, default=180.0, help="seconds")
+    u.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    u.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    u.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1)")
+    u.set_defaults(func=_up)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,251 @@
+"""Local launcher: router + N prefill + M decode workers as separate processes on this host.
+
+Lifecycle of a `Cluster`:
+
+1. ``start()``: pick free ports where asked (port 0), start the router
+   (``python -m router``), then every worker (``python -m prefill|decode --router ...
+   --listen 127.0.0.1:0 --worker-id prefill-0 ...``), each logging to ``<log_dir>/<name>.log``.
+2. ``wait_ready()`` (called by ``start``): until ``startup_timeout_s``, poll the router's
+   ``/admin/workers`` until every expected worker is CONNECTED. A child that exits, or a worker
+   not connected at the deadline, raises `LaunchError` naming it, with the tail of its log.
+3. ``stop()``: SIGTERM the workers (they Leave the router and drain), wait up to ``grace_s``, then
+   the router; anything still alive after its grace period is SIGKILLed. Idempotent; also run
+   by ``with Cluster(...)`` on exit.
+
+Children are started in their own sessions (a terminal's Ctrl-C reaches the launcher only, which
+then stops them in order) and, on Linux, get SIGTERM if the launcher dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
+
+
+class LaunchError(RuntimeError):
+    """A child did not come up; the message names it and carries its log tail."""
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """What to start.
+
+    Fields:
+        num_prefill / num_decode: worker counts (>= 1 each).
+        http_host / http_port: the router's OpenAI API (port 0: a free port).
+        registry_port: the router's Registry gRPC port on 127.0.0.1 (0: a free port).
+        transfer_engine: the workers' kvtransfer engine ("auto": shm between same-host peers).
+        model: GGUF file or HF directory (None: the default SmolLM2-135M-Instruct).
+        num_blocks: KV pool blocks per worker (None: the worker default).
+        threads: torch threads per worker.
+        log_dir: where ``<name>.log`` files go (None: a new temporary directory).
+        startup_timeout_s: how long every worker may take to become CONNECTED.
+        grace_s: how long a child may take to exit after SIGTERM before SIGKILL.
+        router_args / worker_args: extra flags passed through to every router / worker.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    registry_port: int = 50050
+    transfer_engine: str = "auto"
+    model: str | None = None
+    num_blocks: int | None = None
+    threads: int = 1
+    log_dir: str | None = None
+    startup_timeout_s: float = 180.0
+    grace_s: float = 10.0
+    router_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("at least one prefill and one decode worker are needed")
+        for name in ("http_port", "registry_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.transfer_engine not in TRANSFER_ENGINES:
+            raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.startup_timeout_s <= 0 or self.grace_s <= 0:
+            raise ValueError("startup_timeout_s and grace_s must be > 0")
+
+
+@dataclass
+class Child:
+    """One started process: ``name`` (router or the worker id), its command and log file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on ``host`` (the kernel's choice; racy by nature)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Cluster:
+    """A router and its workers as child processes. See the module docstring for the lifecycle."""
+
+    def __init__(self, config: LauncherConfig):
+        self.config = config
+        c = config
+        self.http_port = c.http_port or free_port(c.http_host)
+        self.registry_port = c.registry_port or free_port()
+        self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.router = Child("router", self._router_argv(), self.log_dir / "router.log")
+        names = [f"prefill-{i}" for i in range(c.num_prefill)] + [f"decode-{i}" for i in range(c.num_decode)]
+        self.workers = [Child(n, self._worker_argv(n), self.log_dir / f"{n}.log") for n in names]
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API (``.../v1`` is the client's base_url)."""
+        return f"http://{self.config.http_host}:{self.http_port}"
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.router, *self.workers]
+
+    def _router_argv(self) -> list[str]:
+        c = self.config
+        argv = [sys.executable, "-m", "router", "--http-host", c.http_host,
+                "--http-port", str(self.http_port),
+                "--registry-address", f"127.0.0.1:{self.registry_port}"]
+        if c.model:
+            argv += ["--model", c.model]
+        return argv + list(c.router_args)
+
+    def _worker_argv(self, name: str) -> list[str]:
+        c = self.config
+        role = name.split("-")[0]
+        argv = [sys.executable, "-m", role, "--router", f"127.0.0.1:{self.registry_port}",
+                "--listen", "127.0.0.1:0", "--worker-id", name,
+                "--transfer-engine", c.transfer_engine, "--threads", str(c.threads)]
+        if c.num_blocks is not None:
+            argv += ["--num-blocks", str(c.num_blocks)]
+        if c.model:
+            argv += ["--model", c.model]
+        return argv + list(c.worker_args)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        """Start everything and wait until every worker is connected. Raises `LaunchError`
+        (after stopping whatever was started)."""
+        try:
+            self._spawn(self.router)
+            for w in self.workers:
+                self._spawn(w)
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, child: Child) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(child.log_path, "ab") as log:
+            child.popen = subprocess.Popen(
+                child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def wait_ready(self) -> None:
+        """Block until every worker is CONNECTED at the router. Raises `LaunchError`."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        states: dict[str, str] = {}
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                self._check_alive()
+                try:
+                    members = client.get(f"{self.url}/admin/workers").json()
+                    states = {m["id"]: m["state"] for m in members}
+                except (httpx.HTTPError, ValueError):
+                    pass
+                if all(states.get(w.name) == "CONNECTED" for w in self.workers):
+                    return
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+        late = [w for w in self.workers if states.get(w.name) != "CONNECTED"]
+        details = "\n".join(f"--- {w.name} ({states.get(w.name, 'not registered')}), "
+                            f"log {w.log_path}:\n{w.log_tail()}" for w in late)
+        raise LaunchError(f"not connected after {self.config.startup_timeout_s:g}s: "
+                          f"{', '.join(w.name for w in late)}\n{details}")
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            if child.popen is not None and child.popen.poll() is not None:
+                raise LaunchError(f"{child.name} exited with code {child.popen.returncode}; "
+                                  f"log {child.log_path}:\n{child.log_tail()}")
+
+    def dead_children(self) -> list[Child]:
+        """Children that exited while they should be running."""
+        return [c for c in self.children if c.popen is not None and c.popen.poll() is not None]
+
+    def stop(self) -> None:
+        """SIGTERM workers, then the router; SIGKILL what outlives ``grace_s``. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._terminate(self.workers)
+        self._terminate([self.router])
+
+    def _terminate(self, children: list[Child]) -> None:
+        running = [c for c in children if c.alive()]
+        for c in running:
+            c.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.grace_s
+        for c in running:
+            try:
+                c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.popen.kill()
+                c.popen.wait()
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,102 @@
+"""``auto``: a primary engine (verbs when an RDMA device exists, else tcp) plus shm for peers on the
+same host. Both share one memory table, one completion tracker and one arrival handler, so keys,
+handles and immediates are the same whichever path a peer uses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from kvtransfer.base import (ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine,
+                             WriteCompletion, WriteHandle, WriteOp)
+from kvtransfer.config import EngineConfig
+from kvtransfer.endpoint import EndpointInfo, MemoryRegion, local_host_id
+from kvtransfer.errors import TransferError
+from kvtransfer.shm import ShmEngine
+from kvtransfer.software import Shared
+
+log = logging.getLogger(__name__)
+
+PrimaryFactory = Callable[[EngineConfig, Shared], TransferEngine]
+
+
+class AutoEngine(TransferEngine):
+    """Routes each peer to shm when it is on this host and exports all its regions there,
+    otherwise to the primary engine. See :class:`TransferEngine` for the contracts."""
+
+    name = "auto"
+
+    def __init__(self, config: EngineConfig, primary: PrimaryFactory,
+                 arrivals: ArrivalHandler | None = None) -> None:
+        self._s = Shared.create(config, arrivals)
+        self._primary = primary(config, self._s)
+        try:
+            self._shm = ShmEngine(config, shared=self._s) if config.enable_shm else None
+        except BaseException:
+            self._primary.close()
+            raise
+        self._routes: dict[PeerId, TransferEngine] = {}
+
+    @property
+    def primary(self) -> TransferEngine:
+        return self._primary
+
+    def register_memory(self, memory: Memory, *, shared: object | None = None) -> MemoryRegion:
+        return self._primary.register_memory(memory, shared=shared)
+
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        self._primary.deregister_memory(region)
+
+    def describe(self) -> EndpointInfo:
+        transports = self._primary.describe().transports
+        if self._shm is not None:
+            transports = self._shm.describe().transports + transports
+        return EndpointInfo(self._s.endpoint_id, local_host_id(), self._s.memory.regions(), transports)
+
+    def connect(self, peer: EndpointInfo) -> PeerId:
+        if self._shm is not None and ShmEngine.reachable(peer):
+            try:
+                peer_id = self._shm.connect(peer)
+                if self._shm.exported_keys(peer) >= {r.key for r in peer.regions}:
+                    self._routes[peer_id] = self._shm
+                    return peer_id
+                self._shm.disconnect(peer_id)
+            except TransferError as exc:
+                log.warning("shm to %s failed (%s); using %s", peer.endpoint_id, exc, self._primary.name)
+        peer_id = self._primary.connect(peer)
+        self._routes[peer_id] = self._primary
+        return peer_id
+
+    def route(self, peer: PeerId) -> str:
+        """Name of the engine carrying ``peer`` (``"shm"``, ``"tcp"``, ``"verbs"``)."""
+        return self._engine(peer).name
+
+    def post_writes(self, peer: PeerId, ops: Sequence[WriteOp]) -> WriteHandle:
+        return self._engine(peer).post_writes(peer, ops)
+
+    def poll(self) -> list[WriteCompletion]:
+        return self._s.tracker.poll()
+
+    def wait(self, handle: WriteHandle, timeout_s: float | None = None) -> WriteCompletion:
+        return self._s.tracker.wait(handle, timeout_s)
+
+    def disconnect(self, peer: PeerId) -> None:
+        engine = self._routes.pop(peer, None)
+        if engine is not None:
+            engine.disconnect(peer)
+
+    def stats(self) -> EngineStats:
+        return self._s.counters.snapshot()
+
+    def close(self) -> None:
+        try:
+            if self._shm is not None:
+                self._shm.close()
+        finally:
+            self._primary.close()
+
+    def _engine(self, peer: PeerId) -> TransferEngine:
+        engine = self._routes.get(peer)
+        if engine is None:
+            raise TransferError(f"unknown peer {peer}")
+        return engine

@@ -1,0 +1,205 @@
+"""The transfer engine interface: one-sided writes with immediates into a peer's registered memory.
+
+Roles and who calls what (one engine instance per worker process; every worker can be both):
+
+Receiver (decode worker)
+    1. ``engine = create_engine(name, config, arrivals=counter)`` - ``arrivals`` receives every
+       remote immediate (``on_immediate``) and every abnormal loss of a writer (``on_peer_lost``),
+       from engine threads.
+    2. ``region = engine.register_memory(kv_pool)`` once, before ``describe()``.
+    3. ``engine.describe().to_bytes()`` -> the router -> each prefill worker.
+    4. Nothing else per request: writes land in the pool without the receiver's CPU doing more
+       than copying (tcp) or nothing at all (shm, verbs); the counter does the bookkeeping.
+
+Writer (prefill worker)
+    1. ``engine = create_engine(name, config)``; ``local = engine.register_memory(kv_pool)``.
+    2. ``peer = engine.connect(EndpointInfo.from_bytes(blob))`` once per decode worker.
+    3. Per request and layer: ``handle = engine.post_writes(peer, ops)`` - returns at once, the
+       writes proceed in the background; the caller must keep the source bytes unchanged until
+       the handle completes.
+    4. ``engine.wait(handle, timeout_s)`` or ``engine.poll()`` for local completions. A completion
+       means the receiver applied (or rejected) every write of the batch and delivered the
+       immediates of the applied ones.
+    5. ``engine.disconnect(peer)`` / ``engine.close()``.
+
+Ownership: registered memory belongs to the caller and must outlive the engine (or its
+``deregister``); the engine never frees it. A writer's source blocks are borrowed from
+``post_writes`` until the handle completes (or fails). A receiver's destination blocks may be
+written by a peer until that peer's writes complete, it acknowledges an abort, or its connection
+is gone (``on_peer_lost`` / ``disconnect``).
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NewType, Protocol
+
+import torch
+
+from kvtransfer.endpoint import EndpointInfo, MemoryRegion
+from kvtransfer.errors import KVTransferError, TransferError
+
+PeerId = NewType("PeerId", str)
+WriteHandle = NewType("WriteHandle", int)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOp:
+    """One one-sided write: ``length`` bytes from ``local`` + ``local_offset`` into the peer's
+    region ``remote_key`` at ``remote_offset``; ``imm`` (host-order 32-bit, see
+    :mod:`kvtransfer.immediate`) is delivered to the receiver after the bytes are in place, or
+    nothing is delivered when ``imm`` is None."""
+
+    local: MemoryRegion
+    local_offset: int
+    remote_key: int
+    remote_offset: int
+    length: int
+    imm: int | None = None
+
+
+class WriteStatus(IntEnum):
+    PENDING = 0
+    OK = 1
+    FAILED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCompletion:
+    """The local completion of one ``post_writes`` batch.
+
+    ``error`` is set iff ``status`` is FAILED: ``RemoteAccessError`` (some writes rejected by the
+    receiver, nothing of them written), ``PeerLostError`` (connection lost; any subset may have
+    landed), ``TransferError`` (engine closed)."""
+
+    handle: WriteHandle
+    status: WriteStatus
+    num_writes: int
+    nbytes: int
+    error: KVTransferError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Monotonic counters since the engine was created."""
+
+    writes_posted: int = 0
+    bytes_posted: int = 0
+    writes_received: int = 0
+    bytes_received: int = 0
+    writes_rejected: int = 0
+    auth_failures: int = 0
+    peers_lost: int = 0
+
+
+class ArrivalHandler(Protocol):
+    """Receiver-side sink; :class:`kvtransfer.counter.CompletionCounter` implements it.
+
+    Both methods are called from engine threads and must not block for long or raise.
+    """
+
+    def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+        """``count`` writes carrying ``imm`` from writer ``source`` (its endpoint id) are in place.
+
+        Engines may aggregate consecutive arrivals of the same immediate into one call, never
+        before every payload counted is in place."""
+
+    def on_peer_lost(self, source: str, error: TransferError) -> None:
+        """The connection from writer ``source`` ended abnormally (died, reset, protocol error)."""
+
+
+class ImmediateQueue:
+    """The default :class:`ArrivalHandler`: a queue of ``(imm, source)`` and of lost peers."""
+
+    def __init__(self) -> None:
+        self.immediates: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self.lost: queue.SimpleQueue[tuple[str, TransferError]] = queue.SimpleQueue()
+
+    def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+        for _ in range(count):
+            self.immediates.put((imm, source))
+
+    def on_peer_lost(self, source: str, error: TransferError) -> None:
+        self.lost.put((source, error))
+
+
+Memory = torch.Tensor | tuple[int, int]
+
+
+class TransferEngine(abc.ABC):
+    """One-sided write engine. Every method may be called from any thread unless noted."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def register_memory(self, memory: Memory, *, shared: object | None = None) -> MemoryRegion:
+        """Register a contiguous tensor or an ``(addr, length)`` range for local reads and remote
+        writes. ``shared`` is the handle from :func:`kvtransfer.shm.allocate_shared_buffer` when
+        the memory lives in it (lets same-host peers write with one memcpy); ignored by engines
+        without a shared-memory path. Call before :meth:`describe` so peers see the region.
+
+        Raises ``TransferError`` for non-contiguous tensors or memory the engine cannot reach
+        (e.g. CUDA memory for tcp).
+        """
+
+    @abc.abstractmethod
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        """Stop accepting writes into ``region``; later writes naming its key are rejected."""
+
+    @abc.abstractmethod
+    def describe(self) -> EndpointInfo:
+        """This endpoint for peers. Side-effect free; may be called any number of times."""
+
+    @abc.abstractmethod
+    def connect(self, peer: EndpointInfo) -> PeerId:
+        """Connect and authenticate to ``peer``; blocks up to ``connect_timeout_s``.
+
+        Raises ``AuthError`` (secret mismatch), ``TransferError`` (unreachable, version mismatch).
+        Connecting twice to the same endpoint returns the existing ``PeerId``.
+        """
+
+    @abc.abstractmethod
+    def post_writes(self, peer: PeerId, ops: Sequence[WriteOp]) -> WriteHandle:
+        """Start ``ops`` towards ``peer``; returns at once with a handle for ``wait``/``poll``.
+
+        Writes within a batch and across batches may land in any order. Local ranges are checked
+        here (``RemoteAccessError`` raised, nothing posted); remote keys and bounds are checked by
+        the receiver and reported as a FAILED completion. Raises ``TransferError`` for an unknown
+        or lost peer.
+        """
+
+    @abc.abstractmethod
+    def poll(self) -> list[WriteCompletion]:
+        """Finished completions not yet consumed by ``poll`` or ``wait``; never blocks."""
+
+    @abc.abstractmethod
+    def wait(self, handle: WriteHandle, timeout_s: float | None = None) -> WriteCompletion:
+        """Block until ``handle`` completes; consume and return its completion.
+
+        Raises the completion's error if it FAILED, ``TransferTimeout`` if ``timeout_s`` passes
+        (the handle stays pending), ``TransferError`` for an unknown or consumed handle.
+        """
+
+    @abc.abstractmethod
+    def disconnect(self, peer: PeerId) -> None:
+        """Close the connection to ``peer`` after its posted writes are sent; pending handles
+        of that peer that cannot complete fail with ``PeerLostError``. Idempotent."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """Counters (see :class:`EngineStats`)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Disconnect every peer, stop and join every engine thread, fail pending handles.
+        Idempotent. Registered memory is not freed (the caller owns it)."""
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

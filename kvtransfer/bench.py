@@ -1,0 +1,261 @@
+"""``python -m kvtransfer.bench [--quick] [--json PATH]``: kvtransfer engines vs ceilings and peers.
+
+Every measurement moves the same bytes from a writer (this process) into a receiver (a spawned
+process) on loopback:
+
+- ``tcp`` / ``shm``: this package's engines; one iteration posts the shape's writes (KV shapes
+  layer by layer, as prefill does) and waits for every local completion, which implies the
+  receiver placed the bytes and took the immediates.
+- ``memcpy``: the same writes as plain in-process copies (the ceiling of ``shm``).
+- ``socket``: one plain TCP stream, ``sendall`` of the shape's bytes and ``recv_into`` one buffer,
+  then a 1-byte ack (the ceiling of ``tcp``).
+- ``nixl-tcp`` / ``nixl-local`` / ``mooncake-tcp``: peers, when importable (see :mod:`kvtransfer.bench_peers`).
+
+Shapes: the KV of 128/512/2048/8192-token prompts in the SmolLM2-135M float32 layout (scattered
+blocks), and 1 GiB (``--quick``: 256 MiB) in 256 KiB and 4 MiB writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from kvtransfer import (EndpointInfo, EngineConfig, KVLayout, WriteOp, create_engine,
+                        plan_writes)
+from kvtransfer.shm import allocate_shared_buffer
+
+SECRET = b"kvtransfer-bench-secret-000000"
+SMOL = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, itemsize=4)
+MAX_WRITE = 4 << 20
+
+
+@dataclass
+class Shape:
+    name: str
+    nbytes: int
+    batches: list[list[tuple[int, int, int]]]  # per batch: (src_offset, dst_offset, length)
+
+
+@dataclass
+class Result:
+    shape: str
+    method: str
+    nbytes: int
+    gbps: float
+    p50_ms: float
+    p99_ms: float
+    iters: int
+    ratios: dict[str, float] = field(default_factory=dict)
+
+
+def kv_shape(tokens: int, pool_bytes: int, rng: random.Random) -> Shape:
+    layout = KVLayout(num_blocks=pool_bytes // (60 * 16 * 3 * 64 * 4), **SMOL)
+    n = layout.blocks_for_tokens(tokens)
+    src, dst = rng.sample(range(layout.num_blocks), n), rng.sample(range(layout.num_blocks), n)
+    batches = [[(w.src_offset, w.dst_offset, w.length) for w in
+                plan_writes(layout, layout, src, dst, MAX_WRITE, layers=range(l, l + 1))]
+               for l in range(layout.num_layers)]
+    return Shape(f"kv-{tokens}tok", sum(w[2] for b in batches for w in b), batches)
+
+
+def bulk_shape(total: int, block: int) -> Shape:
+    ops = [(i * block, i * block, block) for i in range(total // block)]
+    return Shape(f"{total >> 20}MiB-in-{block >> 10}KiB", total, [ops])
+
+
+def shapes(quick: bool, pool_bytes: int) -> list[Shape]:
+    rng = random.Random(0)
+    total = (128 << 20) if quick else (1 << 30)
+    return [kv_shape(t, pool_bytes, rng) for t in (128, 512, 2048, 8192)] + [
+        bulk_shape(total, 256 << 10), bulk_shape(total, 4 << 20)]
+
+
+def timed(fn: Callable[[], None], iters: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def summarize(shape: Shape, method: str, times: list[float]) -> Result:
+    p50 = statistics.median(times)
+    p99 = sorted(times)[min(len(times) - 1, int(round(0.99 * (len(times) - 1))))]
+    return Result(shape.name, method, shape.nbytes, shape.nbytes / p50 / 1e9, p50 * 1e3, p99 * 1e3, len(times))
+
+
+# -- receiver process ---------------------------------------------------------------------------
+class _Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+        self.n += count
+
+    def on_peer_lost(self, source: str, error: Exception) -> None:
+        pass
+
+
+def _receiver(conn, kind: str, nbytes: int, streams: int) -> None:
+    if kind == "socket":
+        srv = socket.create_server(("127.0.0.1", 0))
+        conn.send(srv.getsockname()[1])
+        sock, _ = srv.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = memoryview(bytearray(nbytes))
+        size = bytearray(8)
+        while sock.recv_into(size, 8, socket.MSG_WAITALL) == 8:
+            n, got = int.from_bytes(size, "big"), 0
+            while got < n:
+                got += sock.recv_into(buf[got:n], n - got, socket.MSG_WAITALL)
+            sock.sendall(b"\x01")
+        return
+    engine = create_engine(kind, EngineConfig(secret=SECRET, streams_per_peer=streams), arrivals=_Count())
+    pool, shared = allocate_shared_buffer(nbytes) if kind == "shm" else (torch.zeros(nbytes, dtype=torch.uint8), None)
+    engine.register_memory(pool, shared=shared)
+    conn.send(engine.describe().to_bytes())
+    conn.recv()
+    engine.close()
+
+
+class ReceiverProcess:
+    def __init__(self, kind: str, nbytes: int, streams: int = 4) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver, args=(child, kind, nbytes, streams), daemon=True)
+        self.proc.start()
+        self.info = self.conn.recv()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send("stop")
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# -- methods ------------------------------------------------------------------------------------
+def run_memcpy(src: np.ndarray, dst: np.ndarray, shape: Shape, iters: int) -> list[float]:
+    def once() -> None:
+        for batch in shape.batches:
+            for s, d, n in batch:
+                np.copyto(dst[d:d + n], src[s:s + n])
+    return timed(once, iters)
+
+
+def run_socket(src: np.ndarray, sock: socket.socket, shape: Shape, iters: int) -> list[float]:
+    payload = memoryview(src)[:shape.nbytes]
+    ack = bytearray(1)
+
+    def once() -> None:
+        sock.sendall(shape.nbytes.to_bytes(8, "big"))
+        sock.sendall(payload)
+        sock.recv_into(ack, 1, socket.MSG_WAITALL)
+    return timed(once, iters)
+
+
+def run_engine(kind: str, src_pool: torch.Tensor, blob: bytes, shape: Shape, iters: int,
+               streams: int) -> list[float]:
+    engine = create_engine(kind, EngineConfig(secret=SECRET, streams_per_peer=streams))
+    try:
+        local = engine.register_memory(src_pool)
+        info = EndpointInfo.from_bytes(blob)
+        peer = engine.connect(info)
+        key = info.regions[0].key
+        batches = [[WriteOp(local, s, key, d, n, 1) for s, d, n in b] for b in shape.batches]
+
+        def once() -> None:
+            handles = [engine.post_writes(peer, ops) for ops in batches]
+            for h in handles:
+                engine.wait(h, 120)
+        return timed(once, iters)
+    finally:
+        engine.close()
+
+
+def add_ratios(results: list[Result]) -> None:
+    by = {(r.shape, r.method): r for r in results}
+    for r in results:
+        for other in ("memcpy", "socket", "nixl-tcp", "nixl-local", "mooncake-tcp"):
+            o = by.get((r.shape, other))
+            if o is not None and o is not r:
+                r.ratios[other] = r.gbps / o.gbps
+
+
+def print_table(results: list[Result]) -> None:
+    cols = ["memcpy", "socket", "nixl-tcp", "nixl-local", "mooncake-tcp"]
+    print(f"{'shape':<22}{'method':<14}{'MB':>9}{'GB/s':>8}{'p50 ms':>9}{'p99 ms':>9}  ratios")
+    for r in results:
+        ratios = " ".join(f"{k}={r.ratios[k]:.2f}" for k in cols if k in r.ratios)
+        print(f"{r.shape:<22}{r.method:<14}{r.nbytes / 1e6:>9.1f}{r.gbps:>8.2f}{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}  {ratios}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller totals, fewer iterations (< 1 min)")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--methods", default="memcpy,socket,tcp,shm,peers")
+    parser.add_argument("--streams", type=int, default=2, help="tcp streams per peer")
+    args = parser.parse_args(argv)
+    methods = args.methods.split(",")
+    pool_bytes = (448 << 20) if args.quick else (1 << 30)
+    kv_iters, bulk_iters = (5, 2) if args.quick else (30, 7)
+    all_shapes = shapes(args.quick, pool_bytes)
+    src_pool = torch.randint(0, 255, (pool_bytes,), dtype=torch.uint8)
+    src = src_pool.numpy()
+    results: list[Result] = []
+
+    def iters(shape: Shape) -> int:
+        return kv_iters if shape.name.startswith("kv") else bulk_iters
+
+    if "memcpy" in methods:
+        dst = np.zeros(pool_bytes, dtype=np.uint8)
+        results += [summarize(s, "memcpy", run_memcpy(src, dst, s, iters(s))) for s in all_shapes]
+        del dst
+    if "socket" in methods:
+        rx = ReceiverProcess("socket", pool_bytes)
+        with socket.create_connection(("127.0.0.1", rx.info)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            results += [summarize(s, "socket", run_socket(src, sock, s, iters(s))) for s in all_shapes]
+        rx.stop()
+    for kind in ("tcp", "shm"):
+        if kind in methods:
+            rx = ReceiverProcess(kind, pool_bytes, args.streams)
+            results += [summarize(s, kind, run_engine(kind, src_pool, rx.info, s, iters(s), args.streams))
+                        for s in all_shapes]
+            rx.stop()
+    notes: dict[str, str] = {}
+    if "peers" in methods:
+        from kvtransfer import bench_peers
+        peer_results, notes = bench_peers.run_all(src_pool, all_shapes, iters)
+        results += peer_results
+    add_ratios(results)
+    order = {s.name: i for i, s in enumerate(all_shapes)}
+    results.sort(key=lambda r: order[r.shape])
+    print_table(results)
+    for k, v in notes.items():
+        print(f"note: {k}: {v}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"quick": args.quick, "results": [asdict(r) for r in results], "notes": notes}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""``shm``: the same-host fast path (the CUDA-IPC / NVLink analogue on CPU).
+
+The receiver builds its KV pool on :func:`allocate_shared_buffer` (an anonymous ``memfd``) and
+registers it with ``register_memory(pool, shared=handle)``. A writer on the same host connects to
+the receiver's abstract Unix socket, authenticates with the shared secret (the same handshake as
+tcp), and only then receives the memfd over ``SCM_RIGHTS`` and maps it. No file name ever exists,
+so an unauthenticated process cannot map the pool.
+
+A write is one memcpy from the writer's pool into the mapping; after the copies of a batch the
+writer sends one NOTIFY frame per write (key, offset, length, immediate) over the Unix socket; the
+receiver re-checks bounds, delivers the immediates and acks the batch. Keys and bounds are checked
+by the writer before any byte is copied (a bad batch fails as a whole with ``RemoteAccessError``,
+nothing written): with shared memory the writer's library is the only place that can check, as
+the NIC is for verbs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer import auth
+from kvtransfer.base import ArrivalHandler, WriteOp
+from kvtransfer.config import EngineConfig
+from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind, local_host_id
+from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
+from kvtransfer.frame import (F_ACK_REQ, F_HAS_IMM, HEADER, HEADER_SIZE, MAGIC, T_BYE, T_NOTIFY, VERSION,
+                              WireStatus, recv_exact)
+from kvtransfer.memory import ViewCache
+from kvtransfer.software import (InboundConnection, OutboundPeer, OutboundStream, Shared,
+                                 SoftwareEngine)
+
+_LEN = struct.Struct("!I")
+_MAX_FDS = 64
+
+
+class SharedBuffer:
+    """An anonymous shared-memory buffer (``memfd``) and its mapping in this process.
+
+    ``close()`` closes the fd; the mapping lives while tensors viewing it do.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)
+        self.nbytes = nbytes
+        self.mmap = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        self.base = self.tensor.data_ptr()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def allocate_shared_buffer(nbytes: int) -> tuple[torch.Tensor, SharedBuffer]:
+    """A zero-filled ``torch.uint8`` tensor of ``nbytes`` in shared memory, and its handle.
+
+    View it as the pool (``t.view(dtype).view(shape)``) and register that view with
+    ``shared=handle``. The caller keeps the handle until the engine is closed.
+    """
+    buf = SharedBuffer(nbytes)
+    return buf.tensor, buf
+
+
+@dataclass(frozen=True, slots=True)
+class _Export:
+    key: int
+    buffer: int
+    offset: int
+    length: int
+
+
+def _send_exports(sock: socket.socket, regs: Sequence) -> None:
+    fds: list[int] = []
+    exports = []
+    for reg in regs:
+        buf = reg.shared
+        if not isinstance(buf, SharedBuffer) or buf.fd < 0:
+            continue
+        if buf.fd not in fds:
+            fds.append(buf.fd)
+        exports.append([reg.region.key, fds.index(buf.fd), reg.region.addr - buf.base, reg.region.length])
+    body = json.dumps(exports).encode()
+    socket.send_fds(sock, [_LEN.pack(len(body)) + body], fds[:_MAX_FDS])
+
+
+def _recv_exports(sock: socket.socket) -> tuple[list[_Export], list[int]]:
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
+    if len(data) < _LEN.size:
+        raise TransferError("shm peer sent no region table")
+    (length,) = _LEN.unpack(data[:_LEN.size])
+    body = bytearray(data[_LEN.size:])
+    if len(body) < length:
+        rest = memoryview(bytearray(length - len(body)))
+        if not recv_exact(sock, rest):
+            raise TransferError("shm peer closed during the region table")
+        body += rest
+    return [_Export(*e) for e in json.loads(body)], list(fds)
+
+
+def _map_exports(exports: list[_Export], fds: list[int]) -> dict[int, memoryview]:
+    maps = []
+    try:
+        for fd in fds:
+            size = os.fstat(fd).st_size
+            maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    views = {}
+    for e in exports:
+        views[e.key] = memoryview(maps[e.buffer])[e.offset:e.offset + e.length]
+    return views
+
+
+class ShmEngine(SoftwareEngine):
+    """The shm engine; see the module docstring. Listens from construction until ``close()``."""
+
+    name = "shm"
+
+    def __init__(self, config: EngineConfig, arrivals: ArrivalHandler | None = None,
+                 shared: Shared | None = None) -> None:
+        super().__init__(config, arrivals, shared)
+        self._path = f"@pdserve-kv-{self._s.endpoint_id}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self._path[1:])
+        sock.listen(128)
+        self._views: dict[str, dict[int, memoryview]] = {}
+        self._start_listener(sock)
+
+    def _transport(self) -> TransportAddress:
+        return TransportAddress(TransportKind.SHM, path=self._path)
+
+    @staticmethod
+    def reachable(info: EndpointInfo) -> bool:
+        """True when ``info`` offers shm and runs on this host."""
+        return info.transport(TransportKind.SHM) is not None and info.host_id == local_host_id()
+
+    # -- receiver -----------------------------------------------------------------------------
+    def _serve_connection(self, sock: socket.socket) -> InboundConnection:
+        memory = self._s.memory
+        return _ShmInbound(self._s, sock, after_auth=lambda s: _send_exports(s, memory.registrations()))
+
+    # -- writer -------------------------------------------------------------------------------
+    def _open_peer(self, info: EndpointInfo, tag: str) -> list[OutboundStream]:
+        if not self.reachable(info):
+            raise TransferError(f"peer {info.endpoint_id} is not reachable over shm from this host")
+        addr = info.transport(TransportKind.SHM)
+        assert addr is not None
+        cfg = self._s.config
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(cfg.connect_timeout_s)
+            sock.connect("\0" + addr.path[1:])
+            auth.client_handshake(sock, cfg.secret, self._s.endpoint_id)
+            views = _map_exports(*_recv_exports(sock))
+            sock.settimeout(None)
+        except (AuthError, TransferError):
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"cannot connect to shm peer {addr.path}: {exc}") from exc
+        self._views[info.endpoint_id] = views
+        send = lambda s, ops, seq: self._send_batch(views, s, ops, seq)  # noqa: E731
+        return [OutboundStream(sock, f"kv-shm-{tag}", self._s, tag, self._threads, send)]
+
+    def exported_keys(self, info: EndpointInfo) -> set[int]:
+        """Keys of ``info``'s regions this engine mapped (after ``connect``)."""
+        return set(self._views.get(info.endpoint_id, {}))
+
+    def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
+        views = self._views.get(peer.info.endpoint_id, {})
+        for op in ops:
+            view = views.get(op.remote_key)
+            if view is None:
+                return RemoteAccessError(f"unknown remote memory key {op.remote_key:#x}; batch rejected")
+            try:
+                check_bounds_len(len(view), op)
+            except RemoteAccessError as exc:
+                return exc
+        return None
+
+    def _send_batch(self, views: dict[int, memoryview], sock: socket.socket, ops: Sequence[WriteOp],
+                    seq: int) -> None:
+        local = ViewCache(self._s.memory)
+        pack = HEADER.pack
+        frames = []
+        last = len(ops) - 1
+        for i, op in enumerate(ops):
+            ro = op.remote_offset
+            views[op.remote_key][ro:ro + op.length] = local.slice(op.local.key, op.local_offset, op.length)
+            if i == last:
+                flags, frame_seq = (F_HAS_IMM if op.imm is not None else 0) | F_ACK_REQ, seq
+            else:
+                flags, frame_seq = (F_HAS_IMM if op.imm is not None else 0), 0
+            frames.append(pack(MAGIC, VERSION, T_NOTIFY, flags, 0, op.remote_key, op.imm or 0, ro,
+                               op.length, frame_seq))
+        sock.sendall(b"".join(frames))
+
+    def disconnect(self, peer) -> None:  # type: ignore[override]
+        with self._lock:
+            state = self._peers.get(peer)
+        super().disconnect(peer)
+        if state is not None:
+            self._views.pop(state.info.endpoint_id, None)
+
+
+class _ShmInbound(InboundConnection):
+    """Frame loop of the shm receiver: NOTIFY frames carry no payload, so headers are read in
+    bulk into a buffer and parsed from it."""
+
+    def _serve(self) -> None:
+        sock, memory = self.sock, self._shared.memory
+        buf = bytearray(HEADER_SIZE * 1024)
+        imms: list[int] = []
+        view = memoryview(buf)
+        start = end = 0
+        first_error = rejected = received = nbytes = 0
+        while True:
+            if end - start < HEADER_SIZE:
+                view[:end - start] = view[start:end]
+                end, start = end - start, 0
+                n = sock.recv_into(view[end:])
+                if n == 0:
+                    raise PeerLostError("connection closed without BYE")
+                end += n
+                continue
+            magic, version, ftype, flags, _, key, imm, offset, length, seq = HEADER.unpack_from(buf, start)
+            start += HEADER_SIZE
+            if magic != MAGIC or version != VERSION:
+                raise TransferError("bad frame header")
+            if ftype == T_BYE:
+                return
+            if ftype != T_NOTIFY:
+                raise TransferError(f"unexpected frame type {ftype}")
+            reg = memory.get(key)
+            status = (WireStatus.BAD_KEY if reg is None or reg.shared is None else WireStatus.OUT_OF_BOUNDS
+                      if length == 0 or offset + length > reg.region.length else WireStatus.OK)
+            if status == WireStatus.OK:
+                received += 1
+                nbytes += length
+                if flags & F_HAS_IMM:
+                    imms.append(imm)
+            else:
+                rejected += 1
+                first_error = first_error or status
+            if flags & F_ACK_REQ or len(imms) >= 4096:
+                self._deliver(imms)
+                imms.clear()
+            if flags & F_ACK_REQ:
+                self._end_batch(seq, first_error, rejected, received, nbytes)
+                first_error = rejected = received = nbytes = 0
+
+
+def check_bounds_len(region_length: int, op: WriteOp) -> None:
+    if op.remote_offset < 0 or op.length <= 0 or op.remote_offset + op.length > region_length:
+        raise RemoteAccessError(f"range [{op.remote_offset}, {op.remote_offset + op.length}) outside "
+                                f"remote region of {region_length} bytes; batch rejected")

@@ -1,0 +1,167 @@
+"""``tcp``: one-sided writes with immediates over TCP, for hosts without RDMA.
+
+Wire: up to 256 writes travel as one :mod:`kvtransfer.frame` WRITE frame: header, descriptors
+(key, immediate, offset, length), payloads, sent with one ``sendmsg`` whose iovecs point at the
+registered source memory. The receiver checks every descriptor's key and bounds against its
+:class:`~kvtransfer.memory.MemoryTable`, then reads all payloads with scatter ``recvmsg_into``
+(``MSG_WAITALL``) straight into memoryview slices of the registered buffer (no intermediate copy);
+only then are the immediates delivered. A rejected write's payload is read into a scratch buffer
+and dropped, so nothing of it is applied; the rejection is counted and reported in the batch's ACK.
+
+Each peer gets ``streams_per_peer`` authenticated connections; a batch is dealt over them by bytes.
+A writer that dies closes its sockets (the kernel resets them), so the receiver's blocked
+``recv_into`` returns and ``arrivals.on_peer_lost`` fires at once; a silent host failure is
+caught by the slot deadline of the completion counter.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from kvtransfer import auth
+from kvtransfer.base import ArrivalHandler, WriteOp
+from kvtransfer.config import EngineConfig
+from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind
+from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
+from kvtransfer.frame import (DESC, DESC_SIZE, F_ACK_REQ, F_HAS_IMM, HEADER, HEADER_SIZE, MAGIC, MAX_DESCS,
+                              T_BYE, T_WRITE, VERSION, WireStatus, recv_exact, recv_exact_many,
+                              send_parts)
+from kvtransfer.memory import ViewCache
+from kvtransfer.software import InboundConnection, OutboundStream, Shared, SoftwareEngine
+
+_SCRATCH_BYTES = 1 << 20
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
+    """Large kernel buffers and no Nagle delay (acks and small frames go out at once)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+        except OSError:
+            pass
+
+
+class TcpEngine(SoftwareEngine):
+    """The tcp engine; see the module docstring. Listens from construction until ``close()``."""
+
+    name = "tcp"
+
+    def __init__(self, config: EngineConfig, arrivals: ArrivalHandler | None = None,
+                 shared: Shared | None = None) -> None:
+        super().__init__(config, arrivals, shared)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tune_socket(sock, config.socket_buffer_bytes)
+        try:
+            sock.bind((config.bind_host, config.port))
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"cannot listen on {config.bind_host}:{config.port}: {exc}") from exc
+        sock.listen(128)
+        self._port = sock.getsockname()[1]
+        self._start_listener(sock)
+
+    def _transport(self) -> TransportAddress:
+        return TransportAddress(TransportKind.TCP, host=self._s.config.host_for_peers, port=self._port)
+
+    # -- receiver -----------------------------------------------------------------------------
+    def _serve_connection(self, sock: socket.socket) -> InboundConnection:
+        tune_socket(sock, self._s.config.socket_buffer_bytes)
+        return _TcpInbound(self._s, sock)
+
+    # -- writer -------------------------------------------------------------------------------
+    def _open_peer(self, info: EndpointInfo, tag: str) -> list[OutboundStream]:
+        addr = info.transport(TransportKind.TCP)
+        if addr is None:
+            raise TransferError(f"peer {info.endpoint_id} offers no tcp transport")
+        streams: list[OutboundStream] = []
+        try:
+            for i in range(self._s.config.streams_per_peer):
+                sock = self._dial(addr)
+                streams.append(OutboundStream(sock, f"kv-tcp-{tag}-{i}", self._s, tag, self._threads,
+                                              self._send_batch))
+        except (TransferError, OSError) as exc:
+            for stream in streams:
+                stream.close(self._s.config.close_timeout_s)
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"cannot connect to {addr.host}:{addr.port}: {exc}") from exc
+        return streams
+
+    def _dial(self, addr: TransportAddress) -> socket.socket:
+        cfg = self._s.config
+        sock = socket.create_connection((addr.host, addr.port), timeout=cfg.connect_timeout_s)
+        try:
+            tune_socket(sock, cfg.socket_buffer_bytes)
+            auth.client_handshake(sock, cfg.secret, self._s.endpoint_id)
+            sock.settimeout(None)
+            return sock
+        except (AuthError, OSError):
+            sock.close()
+            raise
+
+    def _send_batch(self, sock: socket.socket, ops: Sequence[WriteOp], seq: int) -> None:
+        local = ViewCache(self._s.memory)
+        for start in range(0, len(ops), MAX_DESCS):
+            chunk = ops[start:start + MAX_DESCS]
+            last = start + MAX_DESCS >= len(ops)
+            header = HEADER.pack(MAGIC, VERSION, T_WRITE, F_ACK_REQ if last else 0, 0, 0, 0, 0,
+                                 len(chunk), seq if last else 0)
+            descs = b"".join(DESC.pack(op.remote_key, op.imm or 0, op.remote_offset, op.length,
+                                       F_HAS_IMM if op.imm is not None else 0) for op in chunk)
+            try:
+                payloads = [local.slice(op.local.key, op.local_offset, op.length) for op in chunk]
+            except RemoteAccessError:
+                raise TransferError("a local region was deregistered during a write")
+            send_parts(sock, [header, descs, *payloads])
+
+
+class _TcpInbound(InboundConnection):
+    """Frame loop of the tcp receiver: a WRITE frame's descriptors are checked, then all its
+    payloads are read with scatter ``recvmsg_into`` straight into the registered buffer (rejected
+    ones into a scratch buffer); immediates are delivered after the whole frame is in place."""
+
+    def _serve(self) -> None:
+        sock, memory = self.sock, self._shared.memory
+        hdr = memoryview(bytearray(HEADER_SIZE))
+        descs = memoryview(bytearray(DESC_SIZE * MAX_DESCS))
+        scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        views: dict[int, tuple[object, memoryview]] = {}
+        first_error = rejected = received = nbytes = 0
+        while True:
+            if not recv_exact(sock, hdr):
+                raise PeerLostError("connection closed without BYE")
+            magic, version, ftype, flags, _, _, _, _, count, seq = HEADER.unpack(hdr)
+            if magic != MAGIC or version != VERSION:
+                raise TransferError("bad frame header")
+            if ftype == T_BYE:
+                return
+            if ftype != T_WRITE or count > MAX_DESCS:
+                raise TransferError(f"unexpected frame type {ftype} / {count} descriptors")
+            recv_exact_many(sock, [descs[:count * DESC_SIZE]])
+            targets, imms = [], []
+            for key, imm, offset, length, dflags in DESC.iter_unpack(descs[:count * DESC_SIZE]):
+                reg = memory.get(key)
+                status = (WireStatus.BAD_KEY if reg is None else WireStatus.OUT_OF_BOUNDS
+                          if length == 0 or offset + length > reg.region.length else WireStatus.OK)
+                if status == WireStatus.OK:
+                    cached = views.get(key)
+                    if cached is None or cached[0] is not reg:
+                        cached = views[key] = (reg, memoryview(reg.view))
+                    targets.append(cached[1][offset:offset + length])
+                    received += 1
+                    nbytes += length
+                    if dflags & F_HAS_IMM:
+                        imms.append(imm)
+                else:
+                    for start in range(0, length, _SCRATCH_BYTES):
+                        targets.append(scratch[:min(_SCRATCH_BYTES, length - start)])
+                    rejected += 1
+                    first_error = first_error or status
+            recv_exact_many(sock, targets)
+            self._deliver(imms)
+            if flags & F_ACK_REQ:
+                self._end_batch(seq, first_error, rejected, received, nbytes)
+                first_error = rejected = received = nbytes = 0

@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP API (FastAPI).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
+``data: {...}`` chunks ending with ``data: [DONE]``, or whole), ``GET /v1/models``,
+``GET /health`` (200 when at least one prefill and one decode worker are connected, else 503),
+``GET /metrics`` (Prometheus), ``GET /admin/workers`` (members; ``?stats=1`` adds each worker's
+``Stats``).
+
+Every error is an OpenAI body ``{"error": {"message", "type", "param", "code"}}``: validation
+problems (malformed JSON included) are 400, an unknown model 404, no workers or no capacity 503.
+A streamed request fails with an HTTP status when it fails before its first token; after that
+the error arrives as a ``data: {"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.config import RouterConfig
+from router.errors import InvalidRequest, ModelNotFound, RouterError
+from router.membership import Membership
+from router.metrics import RouterMetrics
+from router.orchestrator import Delta, GenerationRequest, Orchestrator
+from router.policy import make_policy
+from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest, chat_messages,
+                             check_lengths, prompt_of, requested_max_tokens, stop_strings,
+                             validate_sampling)
+from router.responses import Shape, error_body, router_error_body, sse
+
+log = logging.getLogger(__name__)
+
+_OFFLOAD_CHARS = 16_384  # tokenize longer prompts off the event loop
+
+
+@dataclass
+class RouterState:
+    """What the routes need. ``context_length`` in tokens; ``model_root`` is the model path
+    reported as ``root`` by /v1/models."""
+
+    config: RouterConfig
+    tokenizer: object
+    context_length: int
+    membership: Membership
+    orchestrator: Orchestrator
+    metrics: RouterMetrics
+    model_root: str
+
+
+def build_state(config: RouterConfig, tokenizer, context_length: int, membership: Membership,
+                model_root: str, metadata: tuple = ()) -> RouterState:
+    """Wire the orchestrator, policy and metrics. ``metadata``: sent with every worker call."""
+    metrics = RouterMetrics(membership)
+    orch = Orchestrator(config, membership, tokenizer, make_policy(config.policy), metrics, metadata)
+    return RouterState(config, tokenizer, context_length, membership, orch, metrics, model_root)
+
+
+def create_app(state: RouterState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await state.orchestrator.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.router = state
+    _install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await _serve(state, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        return await _serve(state, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        name = state.config.served_model_name
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "root": state.model_root, "parent": None, "max_model_len": state.context_length}]}
+
+    @app.get("/health")
+    async def health():
+        members = state.membership.members()
+        counts = {role: sum(1 for m in members if m.role == role and m.routable)
+                  for role in ("prefill", "decode")}
+        ok = counts["prefill"] >= 1 and counts["decode"] >= 1
+        body = {"status": "ok" if ok else "unavailable", **counts,
+                "members": {m.worker_id: m.state.name for m in members}}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/workers")
+    async def workers(stats: bool = False):
+        members = state.membership.members()
+        out = [m.as_json() for m in members]
+        if stats:
+            replies = await asyncio.gather(*(state.orchestrator.stats(m) for m in members),
+                                           return_exceptions=True)
+            for entry, reply in zip(out, replies):
+                entry["stats"] = ({"error": str(reply)} if isinstance(reply, BaseException) else
+                                  {"load": _load_dict(reply.load), "counters": dict(reply.counters)})
+        return out
+
+    return app
+
+
+def _load_dict(load) -> dict:
+    return {f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields}
+
+
+# -- serving a request ------------------------------------------------------------------------
+async def _serve(state: RouterState, body, chat: bool):
+    arrived = time.monotonic()
+    req, shape = await _prepare(state, body, chat)
+    m = state.metrics
+    m.in_flight.inc()
+    m.prompt_tokens.inc(len(req.prompt_token_ids))
+    deltas = _timed(state, state.orchestrator.generate(req), arrived, "chat" if chat else "completions")
+    try:
+        first = await deltas.__anext__()
+    except BaseException as exc:
+        await deltas.aclose()
+        m.in_flight.dec()
+        if isinstance(exc, RouterError):
+            m.errors.labels(exc.code or exc.type).inc()
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(state, shape, first, deltas, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return await _collect(shape, first, deltas)
+    finally:
+        m.in_flight.dec()
+
+
+async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequest, Shape]:
+    cfg = state.config
+    if body.model is not None and body.model not in (cfg.served_model_name, state.model_root):
+        raise ModelNotFound(f"the model '{body.model}' does not exist; this server serves "
+                            f"'{cfg.served_model_name}'", param="model")
+    validate_sampling(body)
+    tk = state.tokenizer
+    if chat:
+        from engine.errors import InvalidRequestError
+
+        try:
+            text = tk.apply_chat_template(chat_messages(body))
+        except InvalidRequestError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        ids = await _encode(tk, text)
+    else:
+        prompt = prompt_of(body)
+        if isinstance(prompt, str):
+            ids = await _encode(tk, prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < tk.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token ids out of range [0, {tk.vocab_size}): {bad[:5]}",
+                                     param="prompt")
+    max_tokens, param = requested_max_tokens(body)
+    max_tokens = check_lengths(len(ids), max_tokens, param, state.context_length,
+                               cfg.max_tokens_limit, None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    req = GenerationRequest(
+        request_id=rid, prompt_token_ids=tuple(ids), max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k, seed=body.seed,
+        stop=stop_strings(body), ignore_eos=body.ignore_eos)
+    return req, Shape.new(chat, rid, cfg.served_model_name)
+
+
+async def _encode(tk, text: str) -> list[int]:
+    if len(text) > _OFFLOAD_CHARS:
+        return await asyncio.to_thread(tk.encode, text)
+    return tk.encode(text)
+
+
+async def _timed(state: RouterState, deltas: AsyncIterator[Delta], arrived: float,
+                 endpoint: str) -> AsyncIterator[Delta]:
+    """Pass deltas through, observing TTFT, ITL and E2E latency."""
+    m = state.metrics
+    last = None
+    finish = None
+    async with aclosing(deltas) as it:
+        async for d in it:
+            now = time.monotonic()
+            n = len(d.token_ids)
+            if last is None:
+                m.ttft.observe(now - arrived)
+                n -= 1
+                last = now
+            if n > 0:
+                for _ in range(n):
+                    m.itl.observe((now - last) / n)
+                last = now
+            if d.finish_reason is not None:
+                finish = d.finish_reason
+                m.e2e.observe(now - arrived)
+                m.generation_tokens.inc(d.completion_tokens)
+                m.requests.labels(endpoint, finish).inc()
+            yield d
+    if finish is None:
+        m.requests.labels(endpoint, "abort").inc()
+
+
+async def _collect(shape: Shape, first: Delta, deltas: AsyncIterator[Delta]) -> dict:
+    parts = [first.text]
+    last = first
+    async with aclosing(deltas) as it:
+        async for d in it:
+            parts.append(d.text)
+            last = d
+    return shape.full("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+
+async def _stream(state: RouterState, shape: Shape, first: Delta, deltas: AsyncIterator[Delta],
+                  include_usage: bool) -> AsyncIterator[str]:
+    last = first
+    try:
+        async with aclosing(deltas) as it:
+            if shape.chat:
+                yield sse(shape.chunk("", None, include_usage, role=True))
+            d = first
+            while True:
+                last = d
+                if d.text or d.finish_reason is not None:
+                    yield sse(shape.chunk(d.text if (d.text or not shape.chat) else None,
+                                          d.finish_reason, include_usage))
+                if d.finish_reason is not None:
+                    break
+                d = await it.__anext__()
+        if include_usage:
+            yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
+        yield sse("[DONE]")
+    except RouterError as exc:
+        state.metrics.errors.labels(exc.code or exc.type).inc()
+        yield sse(router_error_body(exc))
+        yield sse("[DONE]")
+    finally:
+        state.metrics.in_flight.dec()
+
+
+# -- errors -------------------------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError):
+        return JSONResponse(router_error_body(exc), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(_validation_body(exc.errors()), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {exc}", "server_error", None,
+                                       "internal_error"), status_code=500)
+
+
+def _validation_body(errors) -> dict:
+    if not errors:
+        return error_body("invalid request", "invalid_request_error")
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return error_body(f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
+                          "invalid_request_error", None, "invalid_json")
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if not loc and e.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return error_body("the request body must be a JSON object", "invalid_request_error")
+    return error_body(f"{param or 'body'}: {e.get('msg')}", "invalid_request_error", param, None)

@@ -1,0 +1,108 @@
+"""`RouterConfig`: every knob of the router, validated when built.
+
+`python -m router` exposes one flag per field (``--http-port`` for ``http_port`` and so on);
+see `router.__main__`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+POLICIES = ("load", "round_robin")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``. Raises `ValueError` on a malformed address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Configuration of one router process.
+
+    Fields:
+        http_host / http_port: where the OpenAI HTTP API listens.
+        registry_address: ``host:port`` of the Registry gRPC service workers register with
+            (port 0 picks a free port; the bound port is logged).
+        model: GGUF file or HF directory the tokenizer is read from (None: the default
+            SmolLM2-135M-Instruct). Must be the model the workers serve.
+        served_model_name: the ``model`` name clients use and ``/v1/models`` lists.
+        context_length: tokens of context (prompt + completion); None reads
+            ``llama.context_length`` from the model file.
+        heartbeat_interval_s: how often workers are told to heartbeat (seconds).
+        dead_after_s: a worker silent for this long is declared dead (seconds, > interval).
+        policy: ``"load"`` (free KV blocks / queued prompt tokens) or ``"round_robin"``.
+        reserve_timeout_s: how long a request may wait for KV blocks on some decode worker,
+            queueing included, before it fails with 503 (seconds).
+        prefill_timeout_s: deadline of one Prefill call, compute and transfer (seconds).
+        decode_timeout_s: deadline of one whole Decode stream (seconds).
+        decode_stall_s: longest gap between two streamed token chunks (seconds).
+        rpc_timeout_s: deadline of small control calls (Reserve, Abort, Connect, Stats...).
+        max_attempts: times a request is placed on a (decode, prefill) pair before it fails;
+            a pair that fails before any token was streamed, or a worker that dies mid-stream,
+            costs one attempt.
+        broker_timeout_s: how long connection brokering of one pair is retried (seconds).
+        max_tokens_limit: the largest ``max_tokens`` accepted (besides the context check).
+        secret_file: file holding the cluster secret; its control token (`rpc.auth`) goes with
+            every call to a worker (None: ``$PDSERVE_SECRET``, else the development secret).
+    """
+
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    registry_address: str = "127.0.0.1:50050"
+    model: str | None = None
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    context_length: int | None = None
+    heartbeat_interval_s: float = 1.0
+    dead_after_s: float = 5.0
+    policy: str = "load"
+    reserve_timeout_s: float = 30.0
+    prefill_timeout_s: float = 60.0
+    decode_timeout_s: float = 600.0
+    decode_stall_s: float = 60.0
+    rpc_timeout_s: float = 5.0
+    max_attempts: int = 3
+    broker_timeout_s: float = 15.0
+    max_tokens_limit: int = 1 << 20
+    secret_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        split_address(self.registry_address)
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if self.dead_after_s <= self.heartbeat_interval_s:
+            raise ValueError(f"dead_after_s ({self.dead_after_s}) must exceed "
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        for name in ("reserve_timeout_s", "prefill_timeout_s", "decode_timeout_s",
+                     "decode_stall_s", "rpc_timeout_s", "broker_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--flag`` per field (``http_port`` -> ``--http-port``), defaults from the fields."""
+        kinds = {"int": int, "float": float, "int | None": int}
+        for f in fields(cls):
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
+                                type=kinds.get(str(f.type), str))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RouterConfig":
+        """A validated config from parsed flags. Raises `ValueError` on a bad value."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

@@ -1,0 +1,119 @@
+"""Pair selection: which decode worker reserves a request's KV, which prefill worker computes it.
+
+A policy orders candidates best first; the orchestrator tries them in that order (a decode
+worker that answers RESOURCE_EXHAUSTED is skipped for the next). Heartbeat load figures are up to
+one interval old, so the router adds what it has itself put on each worker since (`Inflight`).
+
+- ``load``: decode by effective free blocks (heartbeat free blocks minus blocks this router
+  reserved that no heartbeat reflects yet), then fewest running sequences; prefill by queued
+  prompt tokens (heartbeat figure plus this router's in-flight Prefill calls' tokens).
+- ``round_robin``: rotate through the candidates, ignoring load.
+
+Not thread safe: used from the HTTP event loop only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.membership import Member
+
+# A reservation counts as "not yet reflected" until this many heartbeats arrived after it:
+# one heartbeat may have been sampled before the reservation and received after.
+_HEARTBEATS_TO_REFLECT = 2
+
+
+@dataclass
+class Inflight:
+    """What this router has put on workers that their heartbeats may not show yet.
+
+    ``reserved``: decode worker id -> list of (heartbeats seen at reservation, blocks).
+    ``prefill_tokens``: prefill worker id -> prompt tokens of Prefill calls in flight.
+    """
+
+    reserved: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    prefill_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add_reservation(self, decode: Member, blocks: int) -> None:
+        self.reserved[decode.worker_id].append((decode.heartbeats, blocks))
+
+    def pending_blocks(self, decode: Member) -> int:
+        """Blocks reserved here that ``decode.load`` may not include; drops reflected ones."""
+        live = [(hb, n) for hb, n in self.reserved.get(decode.worker_id, ())
+                if decode.heartbeats < hb + _HEARTBEATS_TO_REFLECT]
+        if live:
+            self.reserved[decode.worker_id] = live
+        else:
+            self.reserved.pop(decode.worker_id, None)
+        return sum(n for _, n in live)
+
+    def start_prefill(self, prefill_id: str, tokens: int) -> None:
+        self.prefill_tokens[prefill_id] += tokens
+
+    def end_prefill(self, prefill_id: str, tokens: int) -> None:
+        left = self.prefill_tokens.get(prefill_id, 0) - tokens
+        if left > 0:
+            self.prefill_tokens[prefill_id] = left
+        else:
+            self.prefill_tokens.pop(prefill_id, None)
+
+
+class Policy:
+    """Orders candidates, best first. ``needed_blocks`` is the request's prompt blocks."""
+
+    name = "base"
+
+    def order_decode(self, decodes: Sequence[Member], inflight: Inflight,
+                     needed_blocks: int) -> list[Member]:
+        raise NotImplementedError
+
+    def order_prefill(self, prefills: Sequence[Member], inflight: Inflight) -> list[Member]:
+        raise NotImplementedError
+
+
+class LoadPolicy(Policy):
+    name = "load"
+
+    def order_decode(self, decodes, inflight, needed_blocks):
+        def key(m: Member):
+            free = m.load.free_blocks - inflight.pending_blocks(m)
+            return (free < needed_blocks, -free, m.load.running + m.load.waiting, m.worker_id)
+        return sorted(decodes, key=key)
+
+    def order_prefill(self, prefills, inflight):
+        def key(m: Member):
+            queued = m.load.queued_prompt_tokens + inflight.prefill_tokens.get(m.worker_id, 0)
+            return (queued, m.load.waiting, m.worker_id)
+        return sorted(prefills, key=key)
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = {"decode": itertools.count(), "prefill": itertools.count()}
+
+    def order_decode(self, decodes, inflight, needed_blocks):
+        return self._rotate(decodes, "decode")
+
+    def order_prefill(self, prefills, inflight):
+        return self._rotate(prefills, "prefill")
+
+    def _rotate(self, members: Sequence[Member], role: str) -> list[Member]:
+        ordered = sorted(members, key=lambda m: m.worker_id)
+        if not ordered:
+            return []
+        k = next(self._turn[role]) % len(ordered)
+        return ordered[k:] + ordered[:k]
+
+
+def make_policy(name: str) -> Policy:
+    """``"load"`` or ``"round_robin"``. Raises `ValueError` on another name."""
+    if name == "load":
+        return LoadPolicy()
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    raise ValueError(f"unknown policy {name!r}")

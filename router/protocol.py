@@ -1,0 +1,178 @@
+"""OpenAI request bodies (pydantic) and their validation into a `GenerationRequest`.
+
+Unknown fields are accepted and ignored. Type errors surface as FastAPI validation errors
+(turned into 400 bodies by the API); range and semantic checks raise `InvalidRequest`,
+`ContextLengthExceeded` or `ModelNotFound` from `validate_sampling` / `check_lengths`.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from pydantic import BaseModel, ConfigDict
+
+from router.errors import ContextLengthExceeded, InvalidRequest
+
+MAX_STOP_STRINGS = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of one string, a list of token
+    ids, or a list of one list of token ids."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]], None] = None
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+
+class ChatRequest(_SamplingFields):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+
+def prompt_of(req: CompletionRequest) -> str | list[int]:
+    """The completion prompt as text or token ids. Raises `InvalidRequest`."""
+    p = req.prompt
+    if p is None:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    if isinstance(p, list):
+        if len(p) == 0:
+            raise InvalidRequest("'prompt' must not be empty", param="prompt")
+        if isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise InvalidRequest("only one prompt per request is supported (batch of "
+                                     f"{len(p)} given)", param="prompt")
+            p = p[0]
+    return p
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """Messages as ``[{"role", "content": str}]`` for the chat template. Raises `InvalidRequest`."""
+    if not req.messages:
+        raise InvalidRequest("'messages' is required and must not be empty", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequest(f"messages[{i}]: only text content parts are supported",
+                                         param=f"messages.{i}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def validate_sampling(req: _SamplingFields) -> None:
+    """Range checks shared by both endpoints. Raises `InvalidRequest` naming the field."""
+    if req.n not in (None, 1):
+        raise InvalidRequest("only n=1 is supported", param="n")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise InvalidRequest(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise InvalidRequest(f"top_k must be -1, 0 or positive, got {req.top_k}", param="top_k")
+    if req.seed is not None and not 0 <= req.seed < 2**63:
+        raise InvalidRequest(f"seed must be in [0, 2**63), got {req.seed}", param="seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and value != 0.0:
+            raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1):
+            raise InvalidRequest("only best_of=1 is supported", param="best_of")
+        if req.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if req.logprobs:
+            raise InvalidRequest("logprobs are not supported", param="logprobs")
+        if req.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+    if isinstance(req, ChatRequest) and req.logprobs:
+        raise InvalidRequest("logprobs are not supported", param="logprobs")
+
+
+def stop_strings(req: _SamplingFields) -> tuple[str, ...]:
+    if req.stop is None:
+        return ()
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return tuple(s for s in stops if s)
+
+
+def requested_max_tokens(req: _SamplingFields) -> tuple[int | None, str]:
+    """(value, field name) of the request's token limit, None when not given."""
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def check_lengths(num_prompt: int, max_tokens: int | None, param: str, context: int,
+                  limit: int, default: int | None) -> int:
+    """The request's max_tokens after the context check.
+
+    ``default`` None means "the rest of the context". Raises `InvalidRequest` for an empty
+    prompt or max_tokens < 1 / above ``limit``, `ContextLengthExceeded` when prompt + max_tokens
+    exceeds ``context``.
+    """
+    if num_prompt == 0:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if max_tokens is not None and not 1 <= max_tokens <= limit:
+        raise InvalidRequest(f"{param} must be in [1, {limit}], got {max_tokens}", param=param)
+    if num_prompt >= context:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{num_prompt} tokens", param="prompt")
+    if max_tokens is None:
+        max_tokens = default if default is not None else context - num_prompt
+    if num_prompt + max_tokens > context:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {context} tokens; the request asks for "
+            f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to generate)",
+            param=param)
+    return max_tokens
+

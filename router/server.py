@@ -1,0 +1,91 @@
+"""Run a router process: tokenizer, control plane (Registry + broker + monitor), HTTP API.
+
+Lifecycle of `serve`: load the tokenizer and the context length from the model files, start the
+`ControlPlane` (workers can register from then on), serve HTTP with uvicorn until SIGINT/SIGTERM
+(uvicorn's own handlers: in-flight responses get ``graceful_s`` to finish), then close the
+control plane (stops the Registry server, joins the broker and monitor threads).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+from router.api import build_state, create_app
+from router.config import RouterConfig
+from router.membership import Membership
+from router.registry import ControlPlane
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model: str | None):
+    """(tokenizer, context length in tokens, resolved model path) of a GGUF file or HF directory.
+
+    Raises `engine.errors.ModelLoadError` / `TokenizerError` on missing or malformed files.
+    """
+    from engine.errors import ModelLoadError
+    from engine.tokenizer import Tokenizer
+    from engine.weights import _gguf_reader, gguf_field, resolve_model_path
+
+    path = resolve_model_path(model)
+    tokenizer = Tokenizer.from_file(path)
+    if path.is_dir():
+        context = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+    else:
+        reader = _gguf_reader(path)
+        arch = gguf_field(reader, "general.architecture", "llama")
+        context = gguf_field(reader, f"{arch}.context_length")
+    if not context:
+        raise ModelLoadError(f"{path}: no context length in the model metadata")
+    return tokenizer, int(context), path
+
+
+DEV_SECRET = b"pdserve-development-secret-do-not-use"  # the workers' default (worker.config)
+
+
+def read_secret(config: RouterConfig) -> bytes:
+    """The cluster secret: ``secret_file``, else ``$PDSERVE_SECRET``, else the development
+    secret. The only place the router reads the environment."""
+    if config.secret_file:
+        return Path(config.secret_file).read_bytes().strip()
+    return os.environ.get("PDSERVE_SECRET", "").encode() or DEV_SECRET
+
+
+def control_metadata(config: RouterConfig) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata authenticating the router to workers (`rpc.auth` control token)."""
+    from rpc.auth import call_metadata
+
+    return call_metadata(read_secret(config))
+
+
+def serve(config: RouterConfig, graceful_s: float = 5.0) -> int:
+    """Run until stopped; returns the process exit code."""
+    import uvicorn
+
+    tokenizer, context, path = load_tokenizer(config.model)
+    context = config.context_length or context
+    secret = read_secret(config)
+    metadata = control_metadata(config)
+    membership = Membership()
+    control = ControlPlane(config, membership, metadata, secret)
+    control.start()
+    try:
+        state = build_state(config, tokenizer, context, membership, str(path), metadata)
+        app = create_app(state)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.http_host, port=config.http_port, log_level="warning",
+            timeout_graceful_shutdown=graceful_s, access_log=False))
+        log.info("OpenAI API on http://%s:%d (model %s, context %d)", config.http_host,
+                 config.http_port, config.served_model_name, context)
+        # uvicorn re-raises the signal that stopped it once it has shut down; with these
+        # handlers in place that re-raise is a no-op and close() below still runs.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        control.close()

@@ -1,0 +1,115 @@
+"""End-to-end fixtures: real clusters started through the launcher, the reference engine, and
+helpers to read every worker's Stats over gRPC."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from deploy.launcher import Cluster, LauncherConfig
+from router.config import RouterConfig
+from router.server import control_metadata
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pbg
+
+NUM_BLOCKS = 512  # per worker: 8192 tokens, enough for 16 concurrent short requests
+
+TOPOLOGIES = {
+    "1p1d-auto": dict(num_prefill=1, num_decode=1, transfer_engine="auto"),   # shm on one host
+    "2p2d-tcp": dict(num_prefill=2, num_decode=2, transfer_engine="tcp"),
+}
+
+
+def start_cluster(log_dir: Path, **overrides) -> Cluster:
+    config = LauncherConfig(http_port=0, registry_port=0, num_blocks=NUM_BLOCKS, log_dir=str(log_dir),
+                            startup_timeout_s=240, grace_s=15, **overrides)
+    return Cluster(config).start()
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    cluster.stop()
+    leftovers = [c.name for c in cluster.children if c.alive()]
+    assert not leftovers, f"still running after stop: {leftovers}"
+    for c in cluster.children:
+        assert not Path(f"/proc/{c.pid}").exists() or _is_zombie_free(c.pid), c.name
+
+
+def _is_zombie_free(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return True
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def cluster(request, tmp_path_factory):
+    """A running cluster per topology (module scope: each test module starts each once)."""
+    c = start_cluster(tmp_path_factory.mktemp(request.param), **TOPOLOGIES[request.param])
+    c.topology = request.param
+    yield c
+    stop_cluster(c)
+
+
+@pytest.fixture(scope="session")
+def reference(smollm):
+    """``reference(token_ids, max_tokens, stop=()) -> GenerationResult`` from the single-process
+    engine (greedy)."""
+    from engine.config import CacheConfig
+    from engine.loader import build_generator
+    from engine.sampling import SamplingParams
+
+    gen = build_generator(smollm, CacheConfig(num_blocks=256))
+    cache: dict = {}
+
+    def run(token_ids, max_tokens, stop=()):
+        key = (tuple(token_ids), max_tokens, tuple(stop))
+        if key not in cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=tuple(stop))
+            cache[key] = gen.generate([list(token_ids)], params)[0]
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm):
+    return smollm.tokenizer
+
+
+def openai_client(cluster: Cluster):
+    import openai
+
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+def worker_stats(cluster: Cluster) -> dict[str, tuple[str, pb.StatsResponse]]:
+    """worker id -> (role, StatsResponse), read over gRPC from the addresses /admin/workers lists."""
+    members = httpx.get(f"{cluster.url}/admin/workers", timeout=10).json()
+    md = control_metadata(RouterConfig())
+    out = {}
+    for m in members:
+        with grpc.insecure_channel(m["grpc_address"]) as ch:
+            stub = (pbg.PrefillStub if m["role"] == "prefill" else pbg.DecodeStub)(ch)
+            out[m["id"]] = (m["role"], stub.Stats(pb.StatsRequest(), timeout=10, metadata=md))
+    return out
+
+
+def assert_pools_full(cluster: Cluster, timeout_s: float = 20.0, num_workers: int | None = None) -> None:
+    """Every worker's KV pool is back to all-free (waits briefly: aborts release asynchronously).
+    ``num_workers``: how many members to expect (default: all the cluster started)."""
+    expected = num_workers or cluster.config.num_prefill + cluster.config.num_decode
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats(cluster)
+        busy = {wid: (s.load.free_blocks, s.load.total_blocks, s.load.running, s.load.waiting)
+                for wid, (_, s) in stats.items()
+                if s.load.free_blocks != s.load.total_blocks or s.load.running or s.load.waiting}
+        if not busy and len(stats) == expected:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks not back in the pools (free, total, running, waiting): {busy}")
+        time.sleep(0.2)

@@ -1,0 +1,102 @@
+"""`pdserve up` as a user runs it (stops cleanly on SIGTERM, exit 0, no process left), and the
+launcher's error when a worker does not come up."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from deploy.launcher import Cluster, LauncherConfig, LaunchError, free_port
+from tests.e2e.conftest import openai_client
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    http_port, registry_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "deploy.cli", "up", "--http-port", str(http_port),
+            "--registry-port", str(registry_port), "--num-blocks", "256", "--log-dir", str(tmp_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], name="up-stdout", daemon=True).start()
+    try:
+        seen = []
+        while not any("pdserve is up" in l for l in seen):
+            seen.append(lines.get(timeout=240))
+        assert f"http://127.0.0.1:{http_port}/v1" in seen[-1]
+
+        class _C:
+            url = f"http://127.0.0.1:{http_port}"
+        r = openai_client(_C).chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert r.usage.completion_tokens >= 1
+        assert len(_processes_mentioning(f"127.0.0.1:{registry_port}")) == 3  # router + 2 workers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _processes_mentioning(f"127.0.0.1:{registry_port}") == []
+    assert {p.name for p in tmp_path.iterdir()} >= {"router.log", "prefill-0.log", "decode-0.log"}
+
+
+def test_worker_that_does_not_come_up_is_named_with_its_log(tmp_path):
+    config = LauncherConfig(http_port=0, registry_port=0, log_dir=str(tmp_path), startup_timeout_s=120,
+                            worker_args=("--max-num-seqs", "0"))
+    cluster = Cluster(config)
+    with pytest.raises(LaunchError) as err:
+        cluster.start()
+    message = str(err.value)
+    assert "exited with code" in message and ("prefill-0" in message or "decode-0" in message)
+    assert "max_num_seqs" in message  # the log tail carries the worker's own error
+    assert not any(c.alive() for c in cluster.children)
+
+
+def test_dead_decode_worker_is_removed_and_requests_go_to_the_survivor(tmp_path):
+    import time
+
+    import httpx
+
+    from tests.e2e.conftest import assert_pools_full, start_cluster, stop_cluster
+
+    cluster = start_cluster(tmp_path, num_prefill=1, num_decode=2, transfer_engine="tcp",
+                            router_args=("--dead-after-s", "3"))
+    try:
+        victim = next(c for c in cluster.workers if c.name == "decode-0")
+        victim.popen.send_signal(signal.SIGKILL)  # no Leave: only missed heartbeats tell
+        victim.popen.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ids = {m["id"] for m in httpx.get(f"{cluster.url}/admin/workers", timeout=5).json()}
+            if "decode-0" not in ids:
+                break
+            time.sleep(0.5)
+        assert ids == {"prefill-0", "decode-1"}
+        client = openai_client(cluster)
+        for _ in range(3):
+            r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=4,
+                                          temperature=0)
+            assert r.usage.completion_tokens == 4
+        assert_pools_full(cluster, num_workers=2)
+    finally:
+        stop_cluster(cluster)

@@ -1,0 +1,139 @@
+"""Membership and failures across network namespaces, under a steady stream of greedy requests.
+
+Phases, in order, each with its own stream of streaming requests from the client namespace:
+kill -9 a decode worker mid-stream; kill -9 a prefill worker mid-transfer; add a decode worker;
+drain a prefill worker (SIGTERM: it finishes in-flight work and exits 0); restart the router.
+Every request must complete with the reference engine's greedy text, or fail with a clear error
+(only where the router is down, by design). After all phases no KV block is missing from any
+live worker's pool. A per-fault table (sent, completed, retried, migrated, failed) is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from tests.faults.netlab import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "Explain rain to a child.",
+             "List four fruits.", "What does a CPU do?", "Describe a cat in two sentences.",
+             "Why is the sky blue?", "Give three tips for sleeping well."]
+MAX_TOKENS = 40
+REPORT: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def workload(smollm):
+    from engine.config import CacheConfig
+    from engine.loader import build_generator
+    from engine.sampling import SamplingParams
+
+    tk = smollm.tokenizer
+    prompts = [tk.encode(tk.apply_chat_template([{"role": "user", "content": q * (1 + i % 3)}]))
+               for i, q in enumerate(QUESTIONS)]
+    gen = build_generator(smollm, CacheConfig(num_blocks=512))
+    refs = gen.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return prompts, [r.text for r in refs]
+
+
+def _requests(workload, n: int, tag: str) -> list[dict]:
+    prompts, _ = workload
+    return [{"id": f"{tag}-{i}", "prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS} for i in range(n)]
+
+
+def _metric(probe: dict, prefix: str) -> float:
+    return sum(v for k, v in probe.get("metrics", {}).items() if k.startswith(prefix) and "_created" not in k)
+
+
+def _run_phase(cluster, workload, tag, fault, n=16, interval=0.35, allow_failures=False):
+    before = cluster.probe()
+    proc, out = cluster.start_client(_requests(workload, n, tag), interval, tag)
+    fault()
+    proc.wait(timeout=600)
+    results = json.loads(out.read_text())
+    after = cluster.probe() or before
+    _, texts = workload
+    completed = failed = 0
+    for i, r in enumerate(results):
+        if r["error"] is None and r["status"] == 200:
+            assert r["text"] == texts[i % len(texts)], f"{tag}: request {r['id']} text differs from the reference"
+            completed += 1
+        else:
+            failed += 1
+            assert r["error"], f"{tag}: request {r['id']} failed without an error message"
+    REPORT[tag] = {"sent": n, "completed": completed, "failed": failed,
+                   "retried": _metric(after, "pdserve_request_retries") - _metric(before, "pdserve_request_retries"),
+                   "migrated": _metric(after, "pdserve_request_migrations") - _metric(before, "pdserve_request_migrations")}
+    if not allow_failures:
+        assert failed == 0, f"{tag}: {failed} requests failed: {[r['error'] for r in results if r['error']][:3]}"
+    return results
+
+
+def _wait_streaming(cluster, worker: str, key: str, timeout_s=60):
+    def busy():
+        w = cluster.probe().get("workers", {}).get(worker, {})
+        return w.get(key, 0) > 0
+    wait_for(busy, timeout_s, f"{worker} to have {key} > 0", interval_s=0.1)
+
+
+def test_kill_decode_mid_stream(fault_cluster, workload):
+    _run_phase(fault_cluster, workload, "kill-decode",
+               lambda: (_wait_streaming(fault_cluster, "decode-0", "running"), fault_cluster.kill("decode-0")))
+    assert REPORT["kill-decode"]["migrated"] + REPORT["kill-decode"]["retried"] >= 1
+
+
+def test_kill_prefill_mid_transfer(fault_cluster, workload):
+    _run_phase(fault_cluster, workload, "kill-prefill",
+               lambda: (_wait_streaming(fault_cluster, "prefill-0", "waiting"), fault_cluster.kill("prefill-0")))
+
+
+def test_add_decode_worker_takes_traffic(fault_cluster, workload):
+    def add():
+        t0 = time.monotonic()
+        fault_cluster.start_worker("decode-2", "decode")
+        fault_cluster.wait_connected({"decode-2"})
+        REPORT.setdefault("join", {})["connected_after_s"] = round(time.monotonic() - t0, 1)
+    _run_phase(fault_cluster, workload, "add-decode", add, n=24)
+    served = fault_cluster.probe()["workers"]["decode-2"]["counters"].get("requests_finished", 0)
+    assert served > 0, "the new decode worker received no traffic"
+
+
+def test_drain_prefill_worker(fault_cluster, workload):
+    fault_cluster.start_worker("prefill-2", "prefill")  # keep two prefill workers for the drain
+    fault_cluster.wait_connected({"prefill-2"})
+    drained = []
+    _run_phase(fault_cluster, workload, "drain-prefill",
+               lambda: (_wait_streaming(fault_cluster, "prefill-1", "waiting"),
+                        drained.append(fault_cluster.kill("prefill-1", signal.SIGTERM))))
+    assert drained[0].wait(timeout=60) == 0, "a drained worker exits 0"
+    wait_for(lambda: "prefill-1" not in fault_cluster.connected(), 20, "prefill-1 to leave the router")
+
+
+def test_restart_router(fault_cluster, workload):
+    def restart():
+        time.sleep(1.0)
+        fault_cluster.router_proc.send_signal(signal.SIGTERM)
+        assert fault_cluster.router_proc.wait(timeout=60) == 0
+        fault_cluster.start_router()
+        fault_cluster.wait_connected({"prefill-2", "decode-1", "decode-2"}, timeout_s=60)
+    _run_phase(fault_cluster, workload, "restart-router", restart, allow_failures=True)
+    # after the restart the rebuilt cluster serves everything
+    _run_phase(fault_cluster, workload, "after-restart", lambda: None, n=8)
+
+
+def test_no_blocks_leaked_and_report(fault_cluster):
+    def all_free():
+        workers = fault_cluster.probe().get("workers", {})
+        live = {k: w for k, w in workers.items() if "free" in w}
+        return live and all(w["free"] == w["total"] and not w["running"] for w in live.values()) and live
+    live = wait_for(all_free, 60, "every live worker's pool to be full again")
+    print("\nfault            sent completed retried migrated failed")
+    for tag, r in REPORT.items():
+        if "sent" in r:
+            print(f"{tag:16} {r['sent']:4} {r['completed']:9} {r['retried']:7.0f} {r['migrated']:8.0f} {r['failed']:6}")
+    print("join:", REPORT.get("join"), "live workers:", sorted(live))

@@ -1,0 +1,129 @@
+"""The HTTP API without workers: request validation, OpenAI error bodies, models/health/metrics."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from router.api import build_state, create_app
+from router.config import RouterConfig
+from router.membership import Membership
+
+pytestmark = pytest.mark.unit
+
+CONTEXT = 64
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine.tokenizer import Tokenizer
+    from engine.weights import resolve_model_path
+
+    return Tokenizer.from_file(resolve_model_path(None))
+
+
+@pytest.fixture
+def client(tokenizer):
+    state = build_state(RouterConfig(), tokenizer, CONTEXT, Membership(), "/models/smollm.gguf")
+    with TestClient(create_app(state)) as c:
+        yield c
+
+
+def assert_error(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def test_models(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    (m,) = body["data"]
+    assert m["id"] == MODEL and m["object"] == "model" and m["owned_by"] and m["root"] == "/models/smollm.gguf"
+
+
+def test_health_without_workers_is_503(client):
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["prefill"] == 0 and r.json()["decode"] == 0
+
+
+def test_metrics_exposes_the_histograms(client):
+    text = client.get("/metrics").text
+    for name in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+                 "pdserve_e2e_request_latency_seconds", "pdserve_kv_transfer_bytes",
+                 "pdserve_queue_depth", "pdserve_requests_in_flight"):
+        assert name in text
+
+
+def test_admin_workers_empty(client):
+    assert client.get("/admin/workers").json() == []
+
+
+def test_malformed_json_is_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
+    assert_error(r, 400, code="invalid_json")
+    r = client.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [999999]}, "prompt"),
+    ("/v1/chat/completions", {"max_tokens": 4}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content"),
+])
+def test_bad_requests_are_400(client, path, body, param):
+    assert_error(client.post(path, json=body), 400, param=param)
+
+
+def test_prompt_over_context_is_400(client):
+    long_prompt = "word " * (CONTEXT + 10)
+    assert_error(client.post("/v1/completions", json={"prompt": long_prompt}), 400,
+                 code="context_length_exceeded")
+    assert_error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": CONTEXT}), 400,
+                 param="max_tokens", code="context_length_exceeded")
+
+
+def test_wrong_model_is_404(client):
+    assert_error(client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404,
+                 param="model", code="model_not_found")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_valid_request_without_workers_is_503(client, stream):
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream,
+            "some_future_field": {"x": 1}, "temperature": 0, "stop": "\n"}
+    assert_error(client.post("/v1/completions", json=body), 503, code="no_workers")
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "stream": stream, "stream_options": {"include_usage": True}, "max_completion_tokens": 3}
+    assert_error(client.post("/v1/chat/completions", json=chat), 503, code="no_workers")
+
+
+def test_unknown_route_is_an_openai_404(client):
+    assert_error(client.get("/v1/nothing"), 404)
