@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from router.serving import check_mode
+
 POLICIES = ("load", "round_robin")
 
 
@@ -41,6 +43,8 @@ class RouterConfig:
         prefill_timeout_s: deadline of one Prefill call, compute and transfer (seconds).
         decode_timeout_s: deadline of one whole Decode stream (seconds).
         decode_stall_s: longest gap between two streamed token chunks (seconds).
+        wait_for_workers_s: how long a request waits for a worker pair when none is connected
+            (a restarted router while workers re-register) before failing with 503 (seconds).
         rpc_timeout_s: deadline of small control calls (Reserve, Abort, Connect, Stats...).
         max_attempts: times a request is placed on a (decode, prefill) pair before it fails;
             a pair that fails before any token was streamed, or a worker that dies mid-stream,
@@ -49,6 +53,12 @@ class RouterConfig:
         max_tokens_limit: the largest ``max_tokens`` accepted (besides the context check).
         secret_file: file holding the cluster secret; its control token (`rpc.auth`) goes with
             every call to a worker (None: ``$PDSERVE_SECRET``, else the development secret).
+        serving_mode: ``"disaggregated"`` (prefill worker -> KV transfer -> decode worker),
+            ``"colocated"`` (a decode worker runs the whole request, ``Decode.Generate``; no
+            prefill worker needed) or ``"auto"`` (by ``colocated_threshold_tokens``); see
+            `router.serving`.
+        colocated_threshold_tokens: in ``"auto"`` mode, prompts with fewer tokens than this are
+            served colocated (0: never; must be 0 in the other modes).
     """
 
     http_host: str = "127.0.0.1"
@@ -64,11 +74,14 @@ class RouterConfig:
     prefill_timeout_s: float = 60.0
     decode_timeout_s: float = 600.0
     decode_stall_s: float = 60.0
+    wait_for_workers_s: float = 10.0
     rpc_timeout_s: float = 5.0
     max_attempts: int = 3
     broker_timeout_s: float = 15.0
     max_tokens_limit: int = 1 << 20
     secret_file: str | None = None
+    serving_mode: str = "disaggregated"
+    colocated_threshold_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port < 65536:
@@ -93,6 +106,7 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        check_mode(self.serving_mode, self.colocated_threshold_tokens)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,9 @@ Lifecycle of a member (one transition function, `transition`):
        │                                      │                                        │
        └──────────── Leave / missed heartbeats / re-registration ────────────> GONE <──┘
 
+A decode member of a table built with ``standalone_decode`` (colocated / auto serving modes,
+`router.serving`) starts CONNECTED: it can serve ``Generate`` without any prefill peer.
+
 Only CONNECTED members are routable. GONE is absorbing: the member is removed from the table
 and a worker that comes back registers as a new member (a new ``epoch``).
 
@@ -114,15 +117,19 @@ class Refused(Exception):
 
 
 class Membership:
-    """The table. ``clock`` is injectable for tests (monotonic seconds)."""
+    """The table. ``clock`` is injectable for tests (monotonic seconds); ``standalone_decode``:
+    decode members are routable without a prefill peer (see the module docstring)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, standalone_decode: bool = False):
         self._lock = threading.Lock()
+        self._standalone_decode = standalone_decode
         self._members: dict[str, Member] = {}
         self._compat_hash: str | None = None
         self._epochs = itertools.count(1)
         self._clock = clock
         self._listeners: list[Callable[[], None]] = []
+        # membership events since start: joins, rejoins, leaves, deaths, refusals
+        self.events: dict[str, int] = {"join": 0, "rejoin": 0, "leave": 0, "death": 0, "refused": 0}
 
     # -- registration -----------------------------------------------------------------------
     def register(self, info: pb.WorkerInfo) -> tuple[Member, Member | None]:
@@ -133,6 +140,13 @@ class Membership:
             Refused: wrong protocol version, compatibility hash mismatch, unknown role,
                 missing id or address.
         """
+        try:
+            return self._register(info)
+        except Refused:
+            self.events["refused"] += 1
+            raise
+
+    def _register(self, info: pb.WorkerInfo) -> tuple[Member, Member | None]:
         if info.protocol_version != rpc.PROTOCOL_VERSION:
             raise Refused(f"protocol version {info.protocol_version} is not the router's "
                           f"{rpc.PROTOCOL_VERSION}; upgrade the older side")
@@ -147,10 +161,14 @@ class Membership:
                     f"{self._compat_hash!r} (model, dtype, block size or KV layout differ)")
             self._compat_hash = self._compat_hash or info.compat_hash
             replaced = self._members.pop(info.worker_id, None)
-            member = Member(info.worker_id, ROLE_NAMES[info.role], info.grpc_address,
+            role = ROLE_NAMES[info.role]
+            member = Member(info.worker_id, role, info.grpc_address,
                             info.host_id, info.model_name, info.num_blocks, info.block_size,
-                            info.transfer_engine, next(self._epochs), last_seen=self._clock())
+                            info.transfer_engine, next(self._epochs), last_seen=self._clock(),
+                            state=WorkerState.CONNECTED if self._standalone_decode and role == "decode"
+                            else WorkerState.JOINING)
             self._members[member.worker_id] = member
+            self.events["rejoin" if replaced is not None else "join"] += 1
             if replaced is not None:
                 self._drop_links(replaced)
                 replaced = replace(replaced, state=WorkerState.GONE)
@@ -169,12 +187,14 @@ class Membership:
         self._notify()
         return True
 
-    def leave(self, worker_id: str) -> Member | None:
-        """Remove a worker; returns its last view (state GONE, with its peers) or None."""
+    def leave(self, worker_id: str, reason: str = "leave") -> Member | None:
+        """Remove a worker; returns its last view (state GONE, with its peers) or None.
+        ``reason``: "leave" (it said so) or "death" (missed heartbeats), counted in `events`."""
         with self._lock:
             m = self._members.pop(worker_id, None)
             if m is None:
                 return None
+            self.events[reason] += 1
             self._drop_links(m)
             gone = replace(m, state=transition(m.state, WorkerState.GONE))
         self._notify()
@@ -185,7 +205,7 @@ class Membership:
         now = self._clock()
         with self._lock:
             dead = [m for m in self._members.values() if now - m.last_seen > dead_after_s]
-        return [g for g in (self.leave(m.worker_id) for m in dead) if g is not None]
+        return [g for g in (self.leave(m.worker_id, "death") for m in dead) if g is not None]
 
     # -- links --------------------------------------------------------------------------------
     def link(self, prefill_id: str, decode_id: str, epochs: tuple[int, int]) -> bool:

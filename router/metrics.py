@@ -10,7 +10,7 @@ the membership table at scrape time, so a gone worker's series disappear with it
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.membership import Membership
 
@@ -47,6 +47,11 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
         self.retries = Counter("pdserve_request_retries", "Placements retried on another pair",
                                registry=r)
+        self.migrations = Counter("pdserve_request_migrations",
+                                  "Retries of requests that had already streamed tokens (resumed "
+                                  "by re-prefilling prompt + generated tokens on a new pair)", registry=r)
+        self.requests_by_path = Counter("pdserve_requests_by_path", "Requests by serving path "
+                                        "(disaggregated | colocated)", ["path"], registry=r)
         if membership is not None:
             r.register(_WorkerLoadCollector(membership))
 
@@ -65,6 +70,11 @@ class _WorkerLoadCollector:
         return []
 
     def collect(self):
+        events = CounterMetricFamily("pdserve_membership_events", "Workers joining, re-joining, "
+                                     "leaving, declared dead, refused", labels=["event"])
+        for name, count in self._m.events.items():
+            events.add_metric([name], count)
+        yield events
         families = {f: GaugeMetricFamily(f"pdserve_worker_{f}", f"Worker load: {f}",
                                          labels=["worker_id", "role"]) for f in self._FIELDS}
         state = GaugeMetricFamily("pdserve_worker_state",

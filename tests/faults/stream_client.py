@@ -18,8 +18,26 @@ import time
 
 import httpx
 
+RECONNECT_S = 90.0
+
 
 async def one(client: httpx.AsyncClient, url: str, req: dict, headers: dict) -> dict:
+    """One request; a refused connection (router down, e.g. restarting) is retried for up to
+    ``RECONNECT_S`` seconds, as any client would. Nothing else is retried: a stream cut after
+    tokens were delivered is recorded as an error (re-sending would repeat tokens)."""
+    end = time.time() + RECONNECT_S
+    reconnects = 0
+    while True:
+        out = await _one(client, url, req, headers)
+        if out.get("connect_error") and time.time() < end:
+            reconnects += 1
+            await asyncio.sleep(0.5)
+            continue
+        out["reconnects"] = reconnects
+        return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, req: dict, headers: dict) -> dict:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": req["prompt"], "max_tokens": req["max_tokens"],
             "temperature": 0, "stream": True}
     out = {"id": req["id"], "text": "", "finish_reason": None, "status": None, "error": None,
@@ -45,6 +63,9 @@ async def one(client: httpx.AsyncClient, url: str, req: dict, headers: dict) -> 
                     out["chunks"] += 1
                     if choice.get("finish_reason"):
                         out["finish_reason"] = choice["finish_reason"]
+    except httpx.ConnectError as exc:
+        out["error"] = f"ConnectError: {exc}"
+        out["connect_error"] = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["end"] = time.time()

@@ -25,7 +25,7 @@ def tokenizer():
 
 @pytest.fixture
 def client(tokenizer):
-    state = build_state(RouterConfig(), tokenizer, CONTEXT, Membership(), "/models/smollm.gguf")
+    state = build_state(RouterConfig(wait_for_workers_s=0.0), tokenizer, CONTEXT, Membership(), "/models/smollm.gguf")
     with TestClient(create_app(state)) as c:
         yield c
 
