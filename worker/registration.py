@@ -75,19 +75,24 @@ class RegistrationClient:
         try:
             resp = self._stub.Register(pb.RegisterRequest(worker=self._info), timeout=10.0)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return self._refuse("the router rejected this worker's cluster token (wrong secret)")
             log.debug("register with %s failed: %s", self._router, exc.code())
             return False
         if not resp.accepted:
-            log.error("router %s refused worker %s: %s", self._router, self._info.worker_id, resp.reason)
-            self._refused = True
-            if self._on_refused:
-                self._on_refused(resp.reason)
-            return False
+            return self._refuse(resp.reason)
         if resp.heartbeat_interval_ms:
             self._interval = resp.heartbeat_interval_ms / 1000.0
         log.info("registered with router %s as %s", self._router, self._info.worker_id)
         self.registered.set()
         return True
+
+    def _refuse(self, reason: str) -> bool:
+        log.error("router %s refused worker %s: %s", self._router, self._info.worker_id, reason)
+        self._refused = True
+        if self._on_refused:
+            self._on_refused(reason)
+        return False
 
     def _heartbeat(self) -> None:
         try:
