@@ -43,6 +43,10 @@ class WorkerConfig:
         prefill_timeout_s: prefill: lease of a request (compute + transfer), seconds.
         quarantine_s: decode: how long blocks of a failed transfer stay out of the pool when the
             writer's stop cannot be confirmed (must exceed every writer's lease).
+        rdma_device: verbs engine: RDMA device name (empty: the first one found).
+        rdma_port: verbs engine: HCA port (1-based).
+        rdma_gid_index: verbs engine: GID table index (RoCE v2 is usually 1 or 3).
+        rdma_mtu: verbs engine: path MTU in bytes (256..4096).
         secret: cluster secret authenticating data-plane peers (>= 16 bytes).
     """
 
@@ -65,6 +69,10 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     prefill_timeout_s: float = 60.0
     quarantine_s: float = 90.0
+    rdma_device: str = ""
+    rdma_port: int = 1
+    rdma_gid_index: int = 0
+    rdma_mtu: int = 4096
     secret: bytes = DEV_SECRET
 
     def __post_init__(self) -> None:

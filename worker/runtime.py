@@ -23,7 +23,7 @@ import torch
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, set_torch_threads
-from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine,
+from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
                         allocate_shared_buffer, create_engine)
 from kvtransfer.endpoint import local_host_id
 from rpc import PROTOCOL_VERSION
@@ -72,8 +72,11 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     else:
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
     pool = KVPool(loaded.config, cache, buffer=buffer)
+    verbs = VerbsConfig(device=config.rdma_device, port=config.rdma_port, gid_index=config.rdma_gid_index,
+                        mtu=config.rdma_mtu)
     engine_config = EngineConfig(secret=config.secret, bind_host=config.listen_host,
-                                 advertise_host=config.advertise_host, port=config.transfer_port)
+                                 advertise_host=config.advertise_host, port=config.transfer_port,
+                                 verbs=verbs)
     transfer = create_engine(config.transfer_engine, engine_config, arrivals)
     region = transfer.register_memory(buffer[:nbytes], shared=shared)
     return WorkerResources(config, loaded, cache, pool, KVLayout.from_tensor(pool.kv), transfer, region,
