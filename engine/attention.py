@@ -98,6 +98,14 @@ class ForwardBatch:
             batch._build_decode_tables(block_size)
         return batch
 
+    def to(self, device: torch.device) -> "ForwardBatch":
+        """A copy with every tensor on ``device`` (the model's)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.slot_mapping),
+                            move(self.logits_indices), self.is_decode,
+                            [(a, b, c, move(d)) for a, b, c, d in self.seq_ranges],
+                            move(self.block_tables), move(self.attn_mask))
+
     def _build_decode_tables(self, block_size: int) -> None:
         max_blocks = max(r[3].numel() for r in self.seq_ranges)
         tables = torch.zeros((len(self.seq_ranges), max_blocks), dtype=torch.long)
@@ -123,7 +131,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if batch.is_decode:
         return _decode_attention(q, k_pool, v_pool, batch, block_size)
-    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     for first, n, ctx, blocks in batch.seq_ranges:
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         if ctx == n:
@@ -133,8 +141,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             ks = _gather(k_pool, blocks, block_size, ctx).transpose(0, 1).unsqueeze(0)
             vs = _gather(v_pool, blocks, block_size, ctx).transpose(0, 1).unsqueeze(0)
-            rows = torch.arange(ctx - n, ctx)[:, None]
-            mask = torch.arange(ctx)[None, :] <= rows
+            rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
         out[first:first + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
     return out

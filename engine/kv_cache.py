@@ -93,8 +93,10 @@ class KVPool:
         allocator: the `BlockAllocator` over ``num_blocks``.
     """
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, buffer: torch.Tensor | None = None):
-        """Allocate the pool, or build it over ``buffer``.
+    def __init__(self, model: ModelConfig, cache: CacheConfig, buffer: torch.Tensor | None = None,
+                 device: str | torch.device = "cpu"):
+        """Allocate the pool (on ``device``: "cpu" or "cuda[:n]"), or build it over ``buffer``
+        (its device is used).
 
         Args:
             buffer: optional 1-D ``torch.uint8`` tensor of at least `nbytes` bytes (for example a
@@ -107,7 +109,7 @@ class KVPool:
         self.shape = (model.num_layers, 2, cache.num_blocks, cache.block_size,
                       model.num_kv_heads, model.head_dim)
         if buffer is None:
-            self.kv = torch.zeros(self.shape, dtype=cache.torch_dtype)
+            self.kv = torch.zeros(self.shape, dtype=cache.torch_dtype, device=device)
         else:
             need = self.nbytes_for(model, cache)
             if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < need:

@@ -42,7 +42,8 @@ class LlamaModel:
         self.linear_backend = backend
         self._layers = [_LayerLinears(layer, backend) for layer in weights.layers]
         self._lm_head = Linear(weights.lm_head, backend)
-        self._cos, self._sin = _rope_tables(config, self.dtype)
+        self.device = weights.embed.device
+        self._cos, self._sin = (t.to(self.device) for t in _rope_tables(config, self.dtype))
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -59,6 +60,8 @@ class LlamaModel:
             ``[len(batch.logits_indices), vocab_size]`` float32 logits.
         """
         c = self.config
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
         h = self._embed.index_select(0, batch.input_ids)
         cos = self._cos.index_select(0, batch.positions)[:, None, :]
         sin = self._sin.index_select(0, batch.positions)[:, None, :]

@@ -28,6 +28,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
@@ -301,7 +303,11 @@ class PrefillWorker:
         fb = ForwardBatch.build([c for _, c in batch], self.res.pool.block_size)
         finishing = [job for job, chunk in batch if chunk.need_logits]
 
+        on_gpu = self.res.pool.kv.is_cuda
+
         def post_layer(layer: int) -> None:
+            if on_gpu:  # the layer's K/V must be in memory before the NIC reads them
+                torch.cuda.current_stream().synchronize()
             for job in finishing:
                 if job.aborted:
                     continue

@@ -29,6 +29,8 @@ class WorkerConfig:
         worker_id: unique name (default: role-hostname-random).
         model: GGUF file or HF directory (None: SmolLM2-135M-Instruct).
         dtype: "float32" or "bfloat16" (weights and KV pool).
+        device: "cpu" or "cuda[:n]": where weights and the KV pool live. A CUDA pool is registered
+            for GPUDirect RDMA and needs the verbs transfer engine.
         num_blocks: KV pool blocks of ``block_size`` tokens.
         block_size: tokens per KV block.
         max_num_seqs: decode: most sequences in the running batch.
@@ -57,6 +59,7 @@ class WorkerConfig:
     worker_id: str = ""
     model: str | None = None
     dtype: str = "float32"
+    device: str = "cpu"
     num_blocks: int = 2048
     block_size: int = 16
     max_num_seqs: int = 64
@@ -87,6 +90,10 @@ class WorkerConfig:
         for name in ("heartbeat_interval_s", "transfer_timeout_s", "prefill_timeout_s", "quarantine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+        if self.device.startswith("cuda") and self.transfer_engine not in ("verbs", "auto"):
+            raise ValueError("a CUDA KV pool needs the verbs engine (GPUDirect); tcp and shm move host memory")
         if self.quarantine_s <= self.prefill_timeout_s:
             raise ValueError("quarantine_s must exceed prefill_timeout_s (a writer's lease)")
         if len(self.secret) < 16:

@@ -63,11 +63,13 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         ModelLoadError, kvtransfer.EngineUnavailableError, ValueError.
     """
     set_torch_threads(config.threads)
-    loaded = loaded or load_model(config.model, config.dtype)
+    loaded = loaded or load_model(config.model, config.dtype, config.device)
     cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks, dtype=config.dtype)
     nbytes = KVPool.nbytes_for(loaded.config, cache)
     shared = None
-    if config.role == "decode" and config.transfer_engine in ("auto", "shm"):
+    if config.device != "cpu":  # GPUDirect: the verbs engine registers device memory
+        buffer = torch.zeros(nbytes, dtype=torch.uint8, device=config.device)
+    elif config.role == "decode" and config.transfer_engine in ("auto", "shm"):
         buffer, shared = allocate_shared_buffer(nbytes)
     else:
         buffer = torch.zeros(nbytes, dtype=torch.uint8)

@@ -102,3 +102,18 @@ def test_preemption_keeps_greedy_output(smollm, reference):
     for res, i in zip(results, picked):
         assert res.token_ids == expected[i]
     assert gen.num_free_blocks == need + 4
+
+
+@pytest.mark.cuda
+def test_cuda_engine_matches_cpu_greedy(smollm, reference):
+    """The same engine with weights and KV pool on a GPU gives the CPU's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False on this machine")
+    from engine.loader import build_generator, load_model
+
+    prompts, expected = reference
+    gpu = load_model(device="cuda")
+    gen = build_generator(gpu, CacheConfig(num_blocks=512))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    results = gen.generate(prompts[:4], params)
+    assert [r.token_ids for r in results] == expected[:4]
