@@ -57,7 +57,9 @@ def _up(args: argparse.Namespace) -> int:
             http_port=args.http_port, registry_port=args.registry_port,
             transfer_engine=args.transfer_engine, model=args.model, num_blocks=args.num_blocks,
             threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
-            grace_s=args.grace)
+            grace_s=args.grace, serving_mode=args.serving_mode,
+            colocated_threshold_tokens=args.colocated_threshold_tokens,
+            cpu_affinity=args.cpu_affinity)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -99,6 +101,13 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers like 0,1: {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -115,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_flags(g)
     g.set_defaults(func=_generate)
     u = sub.add_parser("up", help="run router + prefill + decode workers on this host")
-    u.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    u.add_argument("--prefill", type=int, default=1,
+                   help="prefill workers (0 allowed with --serving-mode colocated|auto)")
     u.add_argument("--decode", type=int, default=1, help="decode workers")
     u.add_argument("--http-host", default="127.0.0.1")
     u.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0: any free port)")
@@ -127,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     u.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     u.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1)")
+    u.add_argument("--serving-mode", default="disaggregated",
+                   choices=["disaggregated", "colocated", "auto"],
+                   help="colocated: decode workers run whole requests (no KV transfer); "
+                        "auto: prompts under --colocated-threshold-tokens colocated")
+    u.add_argument("--colocated-threshold-tokens", type=int, default=0,
+                   help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
+    u.add_argument("--cpu-affinity", type=_cpu_list, default=(), metavar="CPU,CPU,...",
+                   help="pin workers one CPU each, in order prefill-0.., decode-0.. (cycling)")
     u.set_defaults(func=_up)
     args = ap.parse_args(argv)
     return args.func(args)

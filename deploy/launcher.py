@@ -4,7 +4,8 @@ Lifecycle of a `Cluster`:
 
 1. ``start()``: pick free ports where asked (port 0), start the router
    (``python -m router``), then every worker (``python -m prefill|decode --router ...
-   --listen 127.0.0.1:0 --worker-id prefill-0 ...``), each logging to ``<log_dir>/<name>.log``.
+   --listen 127.0.0.1:0 --worker-id prefill-0 ...``), each logging to ``<log_dir>/<name>.log``
+   and, with ``cpu_affinity``, pinned to its CPU (``os.sched_setaffinity`` before exec).
 2. ``wait_ready()`` (called by ``start``): until ``startup_timeout_s``, poll the router's
    ``/admin/workers`` until every expected worker is CONNECTED. A child that exits, or a worker
    not connected at the deadline, raises `LaunchError` naming it, with the tail of its log.
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from router.serving import SERVING_MODES, check_mode
+
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
 
 
@@ -43,7 +46,8 @@ class LauncherConfig:
     """What to start.
 
     Fields:
-        num_prefill / num_decode: worker counts (>= 1 each).
+        num_prefill / num_decode: worker counts (>= 1 each; 0 prefill workers is allowed when
+            ``serving_mode`` is not "disaggregated").
         http_host / http_port: the router's OpenAI API (port 0: a free port).
         registry_port: the router's Registry gRPC port on 127.0.0.1 (0: a free port).
         transfer_engine: the workers' kvtransfer engine ("auto": shm between same-host peers).
@@ -54,6 +58,12 @@ class LauncherConfig:
         startup_timeout_s: how long every worker may take to become CONNECTED.
         grace_s: how long a child may take to exit after SIGTERM before SIGKILL.
         router_args / worker_args: extra flags passed through to every router / worker.
+        serving_mode / colocated_threshold_tokens: the router's (`router.serving`):
+            "disaggregated", "colocated" (decode workers run whole requests) or "auto"
+            (prompts under the threshold colocated).
+        cpu_affinity: CPUs to pin workers to, one each, in start order (prefill-0, prefill-1,
+            ..., decode-0, ...), cycling when there are more workers than CPUs; empty: no
+            pinning. The router is never pinned.
     """
 
     num_prefill: int = 1
@@ -70,10 +80,21 @@ class LauncherConfig:
     grace_s: float = 10.0
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
+    serving_mode: str = "disaggregated"
+    colocated_threshold_tokens: int = 0
+    cpu_affinity: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("at least one prefill and one decode worker are needed")
+        check_mode(self.serving_mode, self.colocated_threshold_tokens)
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError("at least one decode worker is needed")
+        if self.num_prefill < 1 and self.serving_mode == "disaggregated":
+            raise ValueError("disaggregated serving needs at least one prefill worker "
+                             f"(or serving mode {' / '.join(SERVING_MODES[1:])})")
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        bad = [c for c in self.cpu_affinity if c not in usable]
+        if bad:
+            raise ValueError(f"cpu_affinity: CPUs {bad} are not available here ({sorted(usable)})")
         for name in ("http_port", "registry_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
@@ -125,6 +146,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _pinned_child(cpu: int):
+    def setup() -> None:  # runs in the child between fork and exec
+        _die_with_parent()
+        os.sched_setaffinity(0, {cpu})
+    return setup
+
+
 class Cluster:
     """A router and its workers as child processes. See the module docstring for the lifecycle."""
 
@@ -138,6 +166,8 @@ class Cluster:
         self.router = Child("router", self._router_argv(), self.log_dir / "router.log")
         names = [f"prefill-{i}" for i in range(c.num_prefill)] + [f"decode-{i}" for i in range(c.num_decode)]
         self.workers = [Child(n, self._worker_argv(n), self.log_dir / f"{n}.log") for n in names]
+        self.cpus: dict[str, int] = ({n: c.cpu_affinity[i % len(c.cpu_affinity)]
+                                      for i, n in enumerate(names)} if c.cpu_affinity else {})
         self._stopped = False
 
     @property
@@ -153,7 +183,9 @@ class Cluster:
         c = self.config
         argv = [sys.executable, "-m", "router", "--http-host", c.http_host,
                 "--http-port", str(self.http_port),
-                "--registry-address", f"127.0.0.1:{self.registry_port}"]
+                "--registry-address", f"127.0.0.1:{self.registry_port}",
+                "--serving-mode", c.serving_mode,
+                "--colocated-threshold-tokens", str(c.colocated_threshold_tokens)]
         if c.model:
             argv += ["--model", c.model]
         return argv + list(c.router_args)
@@ -186,10 +218,12 @@ class Cluster:
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cpu = self.cpus.get(child.name)
         with open(child.log_path, "ab") as log:
             child.popen = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                env=env, start_new_session=True,
+                preexec_fn=_die_with_parent if cpu is None else _pinned_child(cpu))
 
     def wait_ready(self) -> None:
         """Block until every worker is CONNECTED at the router. Raises `LaunchError`."""

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
 ``data: {...}`` chunks ending with ``data: [DONE]``, or whole), ``GET /v1/models``,
-``GET /health`` (200 when at least one prefill and one decode worker are connected, else 503),
+``GET /health`` (200 when at least one prefill and one decode worker are connected, or in the
+colocated and auto serving modes one decode worker, else 503),
 ``GET /metrics`` (Prometheus), ``GET /admin/workers`` (members; ``?stats=1`` adds each worker's
 ``Stats``).
 
@@ -37,6 +38,7 @@ from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, Complet
                              check_lengths, prompt_of, requested_max_tokens, stop_strings,
                              validate_sampling)
 from router.responses import Shape, error_body, router_error_body, sse
+from router.serving import healthy
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def create_app(state: RouterState) -> FastAPI:
         members = state.membership.members()
         counts = {role: sum(1 for m in members if m.role == role and m.routable)
                   for role in ("prefill", "decode")}
-        ok = counts["prefill"] >= 1 and counts["decode"] >= 1
+        ok = healthy(state.config.serving_mode, counts["prefill"], counts["decode"])
         body = {"status": "ok" if ok else "unavailable", **counts,
                 "members": {m.worker_id: m.state.name for m in members}}
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -51,6 +51,8 @@ class RouterConfig:
             costs one attempt.
         broker_timeout_s: how long connection brokering of one pair is retried (seconds).
         max_tokens_limit: the largest ``max_tokens`` accepted (besides the context check).
+        api_key_file: file holding the HTTP API key clients must send as ``Authorization: Bearer``
+            (None: ``$PDSERVE_API_KEY``; neither: no key required).
         secret_file: file holding the cluster secret; its control token (`rpc.auth`) goes with
             every call to a worker (None: ``$PDSERVE_SECRET``, else the development secret).
         serving_mode: ``"disaggregated"`` (prefill worker -> KV transfer -> decode worker),
@@ -80,6 +82,7 @@ class RouterConfig:
     broker_timeout_s: float = 15.0
     max_tokens_limit: int = 1 << 20
     secret_file: str | None = None
+    api_key_file: str | None = None
     serving_mode: str = "disaggregated"
     colocated_threshold_tokens: int = 0
 

@@ -15,6 +15,11 @@ Lifecycle of a request (`Orchestrator.generate`, an async iterator of `Delta`):
               then the decode worker with ``writer_stopped`` true only when the writer is known
               to have stopped (Prefill answered, or acknowledged the Abort).
 
+Colocated path (`router.serving` decides per request): ``Generate`` on one decode worker, which
+prefills and decodes on its own pool (no reserve, no prefill worker); its stream is read like
+``Decode``'s (first chunk = first token), and release is an ``Abort`` of the decode worker alone
+(no remote writer: ``writer_stopped`` true).
+
 A worker failing before any token reached the client, or dying mid-stream, costs one attempt
 (`RouterConfig.max_attempts`); the next attempt re-prefills prompt + tokens generated so far on a
 new pair (request id suffixed ``~N``). Bad input found by a worker (INVALID_ARGUMENT) is not
@@ -37,6 +42,7 @@ from router.errors import CapacityTimeout, InvalidRequest, NoWorkers, UpstreamEr
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
 from router.policy import Inflight, Policy
+from router.serving import ServingPath, choose_path
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pbg
 
@@ -150,10 +156,13 @@ class Orchestrator:
         releases everything the request holds."""
         stop_ids = frozenset() if req.ignore_eos else frozenset(self.tokenizer.stop_token_ids)
         run = _Run(req, self.tokenizer.detokenizer(req.stop), stop_ids)
+        path = self._path(len(req.prompt_token_ids))
+        self.metrics.requests_by_path.labels(path.value).inc()
+        place = self._attempt if path is ServingPath.DISAGGREGATED else self._colocated_attempt
         for attempt in range(1, self.config.max_attempts + 1):
             rid = req.request_id if attempt == 1 else f"{req.request_id}~{attempt}"
             try:
-                async with aclosing(self._attempt(rid, run)) as deltas:
+                async with aclosing(place(rid, run)) as deltas:
                     async for delta in deltas:
                         yield delta
                 return
@@ -162,6 +171,8 @@ class Orchestrator:
                 if attempt == self.config.max_attempts:
                     raise UpstreamError(f"request failed on {attempt} attempts; last: {exc}") from exc
                 self.metrics.retries.inc()
+                if run.generated:
+                    self.metrics.migrations.inc()
                 await asyncio.sleep(0.05 * attempt)
 
     async def _attempt(self, rid: str, run: _Run) -> AsyncIterator[Delta]:
@@ -188,6 +199,44 @@ class Orchestrator:
             if not hold.done and hold.decode is not None:
                 self._spawn(self._release(hold))
 
+    def _path(self, prompt_tokens: int) -> ServingPath:
+        c = self.config
+        pair = c.serving_mode == "auto" and bool(self._decode_candidates())
+        return choose_path(c.serving_mode, c.colocated_threshold_tokens, prompt_tokens, pair)
+
+    async def _colocated_attempt(self, rid: str, run: _Run) -> AsyncIterator[Delta]:
+        prompt = list(run.req.prompt_token_ids) + run.generated
+        sampling = self._sampling(run, run.req.max_tokens - len(run.generated))
+        hold = _Holding(rid)
+        try:
+            hold.decode = await self._pick_colocated(len(prompt), run.failed_workers)
+            call = self._decode_stub(hold.decode).Generate(
+                pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling),
+                timeout=self.config.decode_timeout_s, metadata=self._md)
+            async with aclosing(self._stream(call, hold, run)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            hold.done = True
+        except _Retry:
+            run.failed_workers.update(m.worker_id for m in (hold.decode,) if m)
+            raise
+        finally:
+            self._notify_capacity()
+            if not hold.done and hold.decode is not None:
+                self._spawn(self._release(hold))
+
+    async def _pick_colocated(self, num_tokens: int, avoid: set[str]) -> Member:
+        start = time.monotonic()
+        while not (decodes := self.membership.routable("decode")):
+            waited = time.monotonic() - start  # as _reserve: a restarted router waits briefly
+            if waited >= self.config.wait_for_workers_s:
+                raise NoWorkers("no decode worker is available")
+            await self._wait_capacity(min(0.25, self.config.wait_for_workers_s - waited))
+        need = -(-num_tokens // max(1, decodes[0].block_size))
+        d = _last(self.policy.order_decode(decodes, self.inflight, need), avoid)[0]
+        self.inflight.add_reservation(d, need)  # until heartbeats show its load
+        return d
+
     def _sampling(self, run: _Run, remaining: int) -> pb.SamplingParams:
         r = run.req
         msg = pb.SamplingParams(max_tokens=remaining, temperature=r.temperature, top_p=r.top_p,
@@ -206,7 +255,12 @@ class Orchestrator:
             while True:
                 decodes = self._decode_candidates()
                 if not decodes:
-                    raise NoWorkers("no connected prefill/decode worker pair is available")
+                    # a restarted router waits for workers to re-register, briefly
+                    waited = time.monotonic() - (deadline - self.config.reserve_timeout_s)
+                    if waited >= self.config.wait_for_workers_s:
+                        raise NoWorkers("no connected prefill/decode worker pair is available")
+                    await self._wait_capacity(min(0.25, self.config.wait_for_workers_s - waited))
+                    continue
                 need = -(-num_tokens // max(1, decodes[0].block_size))
                 for d in _last(self.policy.order_decode(decodes, self.inflight, need), avoid):
                     resp = await self._try_reserve(d, hold.request_id, num_tokens, max_tokens)
@@ -296,6 +350,13 @@ class Orchestrator:
                              num_writes=first.num_writes, sampling=sampling,
                              prompt_token_ids=prompt),
             timeout=self.config.decode_timeout_s, metadata=self._md)
+        async with aclosing(self._stream(call, hold, run)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _stream(self, call, hold: _Holding, run: _Run) -> AsyncIterator[Delta]:
+        """Deltas of a ``Decode`` or ``Generate`` token stream; a router-side stop cancels the
+        call and releases ``hold``; the call is cancelled if the reader goes away."""
         try:
             while True:
                 chunk = await self._read(call, hold)

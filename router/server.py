@@ -15,9 +15,11 @@ import signal
 from pathlib import Path
 
 from router.api import build_state, create_app
+from router.apikey import install_api_key
 from router.config import RouterConfig
 from router.membership import Membership
 from router.registry import ControlPlane
+from router.serving import decode_standalone
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,13 @@ def read_secret(config: RouterConfig) -> bytes:
     return os.environ.get("PDSERVE_SECRET", "").encode() or DEV_SECRET
 
 
+def read_api_key(config: RouterConfig) -> str | None:
+    """The HTTP API key: ``api_key_file``, else ``$PDSERVE_API_KEY``, else None (no key)."""
+    if config.api_key_file:
+        return Path(config.api_key_file).read_text().strip() or None
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
 def control_metadata(config: RouterConfig) -> tuple[tuple[str, str], ...]:
     """gRPC metadata authenticating the router to workers (`rpc.auth` control token)."""
     from rpc.auth import call_metadata
@@ -70,12 +79,13 @@ def serve(config: RouterConfig, graceful_s: float = 5.0) -> int:
     context = config.context_length or context
     secret = read_secret(config)
     metadata = control_metadata(config)
-    membership = Membership()
+    membership = Membership(standalone_decode=decode_standalone(config.serving_mode))
     control = ControlPlane(config, membership, metadata, secret)
     control.start()
     try:
         state = build_state(config, tokenizer, context, membership, str(path), metadata)
         app = create_app(state)
+        install_api_key(app, read_api_key(config))
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.http_host, port=config.http_port, log_level="warning",
             timeout_graceful_shutdown=graceful_s, access_log=False))

@@ -1,0 +1,68 @@
+"""Serving modes: which path a request takes, and what the cluster needs to be healthy.
+
+Two paths serve a request (`ServingPath`):
+
+- ``disaggregated``: a prefill worker computes the prompt's KV and writes it into a decode
+  worker's pool (Reserve -> Prefill -> Decode), see `router.orchestrator`.
+- ``colocated``: one decode worker runs the prefill itself on its own pool and streams every
+  token (``Decode.Generate``); no KV moves and no prefill worker is involved.
+
+The router's ``serving_mode`` (`RouterConfig`) picks between them per request:
+
+- ``disaggregated`` (default): always the disaggregated path.
+- ``colocated``: always the colocated path; prefill workers are not needed.
+- ``auto``: prompts with fewer than ``colocated_threshold_tokens`` tokens go colocated, the rest
+  disaggregated; when no linked (prefill, decode) pair exists, every request goes colocated.
+
+In ``colocated`` and ``auto`` modes a decode worker is routable as soon as it registers (it
+needs no prefill peer for Generate), so /health only asks for one decode worker.
+"""
+
+from __future__ import annotations
+
+import enum
+
+SERVING_MODES = ("disaggregated", "colocated", "auto")
+
+
+class ServingPath(enum.Enum):
+    """How one request is served; the value is the metrics label."""
+
+    DISAGGREGATED = "disaggregated"
+    COLOCATED = "colocated"
+
+
+def check_mode(mode: str, threshold_tokens: int) -> None:
+    """Validate a (serving mode, colocated threshold) pair. Raises `ValueError`."""
+    if mode not in SERVING_MODES:
+        raise ValueError(f"serving_mode must be one of {SERVING_MODES}, got {mode!r}")
+    if threshold_tokens < 0:
+        raise ValueError(f"colocated_threshold_tokens must be >= 0, got {threshold_tokens}")
+    if threshold_tokens and mode != "auto":
+        raise ValueError(f"colocated_threshold_tokens applies to serving_mode 'auto' only "
+                         f"(got serving_mode {mode!r}); pass --serving-mode auto")
+
+
+def choose_path(mode: str, threshold_tokens: int, prompt_tokens: int,
+                pair_available: bool) -> ServingPath:
+    """The path of a request of ``prompt_tokens`` tokens. ``pair_available``: a linked
+    (prefill, decode) pair is routable right now (only consulted in ``auto`` mode)."""
+    if mode == "colocated":
+        return ServingPath.COLOCATED
+    if mode == "disaggregated":
+        return ServingPath.DISAGGREGATED
+    if prompt_tokens < threshold_tokens or not pair_available:
+        return ServingPath.COLOCATED
+    return ServingPath.DISAGGREGATED
+
+
+def decode_standalone(mode: str) -> bool:
+    """Whether a decode worker is routable without any prefill peer in ``mode``."""
+    return mode != "disaggregated"
+
+
+def healthy(mode: str, prefill_workers: int, decode_workers: int) -> bool:
+    """Whether the router can serve requests with these routable worker counts."""
+    if decode_standalone(mode):
+        return decode_workers >= 1
+    return prefill_workers >= 1 and decode_workers >= 1

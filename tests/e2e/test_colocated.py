@@ -1,0 +1,156 @@
+"""Colocated and auto serving modes end to end (`router.serving`): a cluster with no prefill
+worker serving every request on decode workers (``Decode.Generate``), and a 1 prefill + 1 decode
+cluster in auto mode sending short prompts colocated and long ones disaggregated. Greedy output
+equals the single-process engine's on both paths, requests are counted by path, stop strings and
+client disconnects free every KV block, and workers are pinned to the CPUs asked for."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import assert_pools_full, openai_client, start_cluster, stop_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+MODEL = "SmolLM2-135M-Instruct"
+THRESHOLD = 8  # auto mode: prompts under 8 tokens run colocated
+SHORT = "The capital of France is"                                            # 5 tokens
+LONG = "Once upon a time, in a small village by the sea, there lived an old"  # > 8 tokens
+MAX_TOKENS = 16
+
+MODES = {
+    "colocated-0p2d": dict(num_prefill=0, num_decode=2, serving_mode="colocated",
+                           cpu_affinity=(0, 1)),
+    "auto-1p1d": dict(num_prefill=1, num_decode=1, serving_mode="auto",
+                      colocated_threshold_tokens=THRESHOLD, transfer_engine="auto"),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def cluster(request, tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp(request.param), **MODES[request.param])
+    c.mode = MODES[request.param]["serving_mode"]
+    yield c
+    stop_cluster(c)
+
+
+def path_counts(cluster) -> dict[str, float]:
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    return {m[0]: float(m[1]) for m in
+            re.findall(r'^pdserve_requests_by_path_total\{path="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def expected_path(cluster, tokenizer, prompt: str) -> str:
+    if cluster.mode == "colocated" or len(tokenizer.encode(prompt)) < THRESHOLD:
+        return "colocated"
+    return "disaggregated"
+
+
+def test_health_and_membership(cluster):
+    health = httpx.get(f"{cluster.url}/health", timeout=10)
+    assert health.status_code == 200, health.text
+    assert health.json()["prefill"] == cluster.config.num_prefill
+    assert health.json()["decode"] == cluster.config.num_decode
+    workers = httpx.get(f"{cluster.url}/admin/workers", timeout=10).json()
+    assert {w["state"] for w in workers} == {"CONNECTED"}
+
+
+def test_prompt_lengths_straddle_the_threshold(tokenizer):
+    assert len(tokenizer.encode(SHORT)) < THRESHOLD <= len(tokenizer.encode(LONG))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_matches_engine_on_each_path(cluster, reference, tokenizer, stream):
+    client = openai_client(cluster)
+    for prompt in (SHORT, LONG):
+        before = path_counts(cluster)
+        want = reference(tokenizer.encode(prompt), MAX_TOKENS)
+        if stream:
+            chunks = list(client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            text, finish, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        assert text == want.text
+        assert finish == want.finish_reason.value
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+        after = path_counts(cluster)
+        path = expected_path(cluster, tokenizer, prompt)
+        assert after.get(path, 0) == before.get(path, 0) + 1, (prompt, before, after)
+    assert_pools_full(cluster)
+
+
+def test_chat_greedy_matches_engine(cluster, reference, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = reference(tokenizer.encode(tokenizer.apply_chat_template(messages)), 24)
+    r = openai_client(cluster).chat.completions.create(model=MODEL, messages=messages,
+                                                       max_completion_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want.text
+    assert_pools_full(cluster)
+
+
+def test_concurrent_mixed_requests(cluster, reference, tokenizer):
+    client = openai_client(cluster)
+
+    def one(i):
+        prompt = (SHORT, LONG)[i % 2]
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=bool(i % 3))
+        if i % 3:
+            return prompt, "".join(c.choices[0].text for c in chunks if c.choices)
+        return prompt, chunks.choices[0].text
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    for prompt, text in results:
+        assert text == reference(tokenizer.encode(prompt), MAX_TOKENS).text, prompt
+    assert_pools_full(cluster)
+
+
+def test_stop_string_cuts_text_and_frees_blocks(cluster, reference, tokenizer):
+    prompt = "1, 2, 3, 4, 5,"
+    full = reference(tokenizer.encode(prompt), 24).text
+    stop = full.strip()[3:5] if len(full.strip()) > 5 else ","
+    want = reference(tokenizer.encode(prompt), 24, stop=(stop,))
+    r = openai_client(cluster).completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                                  temperature=0, stop=[stop])
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert_pools_full(cluster)
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG])
+def test_client_disconnect_mid_stream_frees_blocks(cluster, prompt):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    got = 0
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{cluster.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    json.loads(line[6:])
+                    got += 1
+                    if got == 5:
+                        break  # leaving the block closes the connection mid-stream
+    assert got == 5
+    assert_pools_full(cluster, timeout_s=30)
+
+
+def test_workers_are_pinned_as_asked(cluster):
+    for w in cluster.workers:
+        allowed = re.search(r"^Cpus_allowed_list:\s*(\S+)$",
+                            Path(f"/proc/{w.pid}/status").read_text(), re.M).group(1)
+        if cluster.config.cpu_affinity:
+            assert allowed == str(cluster.cpus[w.name]), w.name
+    if cluster.config.cpu_affinity:
+        assert cluster.cpus == {"decode-0": 0, "decode-1": 1}

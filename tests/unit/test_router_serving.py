@@ -1,0 +1,89 @@
+"""Serving modes: path choice, config validation, standalone decode members, /health per mode."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+import rpc
+from router.api import build_state, create_app
+from router.config import RouterConfig
+from router.membership import Membership, WorkerState
+from router.serving import ServingPath, choose_path, healthy
+from rpc import pdserve_pb2 as pb
+
+pytestmark = pytest.mark.unit
+
+COLOCATED, DISAGG = ServingPath.COLOCATED, ServingPath.DISAGGREGATED
+
+
+def info(wid: str, role) -> pb.WorkerInfo:
+    return pb.WorkerInfo(worker_id=wid, role=role, grpc_address="127.0.0.1:1", host_id="h",
+                         protocol_version=rpc.PROTOCOL_VERSION, compat_hash="abc", num_blocks=64,
+                         block_size=16, transfer_engine="tcp")
+
+
+@pytest.mark.parametrize("mode,threshold,tokens,pair,path", [
+    ("disaggregated", 0, 10, True, DISAGG),
+    ("disaggregated", 0, 10, False, DISAGG),      # no fallback: NoWorkers later
+    ("colocated", 0, 5000, True, COLOCATED),
+    ("auto", 0, 10, True, DISAGG),                # threshold 0: never colocated...
+    ("auto", 0, 10, False, COLOCATED),            # ...unless no pair is there at all
+    ("auto", 128, 127, True, COLOCATED),
+    ("auto", 128, 128, True, DISAGG),
+])
+def test_choose_path(mode, threshold, tokens, pair, path):
+    assert choose_path(mode, threshold, tokens, pair) is path
+
+
+def test_config_validates_mode_and_threshold():
+    assert RouterConfig(serving_mode="auto", colocated_threshold_tokens=256).colocated_threshold_tokens == 256
+    RouterConfig(serving_mode="colocated")
+    with pytest.raises(ValueError, match="serving_mode"):
+        RouterConfig(serving_mode="mixed")
+    with pytest.raises(ValueError, match=">= 0"):
+        RouterConfig(serving_mode="auto", colocated_threshold_tokens=-1)
+    with pytest.raises(ValueError, match="auto"):
+        RouterConfig(colocated_threshold_tokens=64)  # disaggregated mode ignores it: refuse
+
+
+def test_flags_mirror_the_fields():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    RouterConfig.add_arguments(ap)
+    c = RouterConfig.from_args(ap.parse_args(["--serving-mode", "auto",
+                                              "--colocated-threshold-tokens", "100"]))
+    assert (c.serving_mode, c.colocated_threshold_tokens) == ("auto", 100)
+
+
+def test_healthy():
+    assert not healthy("disaggregated", 0, 1) and healthy("disaggregated", 1, 1)
+    assert healthy("colocated", 0, 1) and healthy("auto", 0, 1)
+    assert not healthy("colocated", 1, 0)
+
+
+def test_standalone_decode_members_are_routable_at_once():
+    m = Membership(standalone_decode=True)
+    p, _ = m.register(info("p0", pb.PREFILL))
+    d, _ = m.register(info("d0", pb.DECODE))
+    assert d.state == WorkerState.CONNECTED and p.state == WorkerState.JOINING
+    assert [x.worker_id for x in m.routable("decode")] == ["d0"]
+    assert m.link("p0", "d0", (p.epoch, d.epoch))  # linking still works and keeps it CONNECTED
+    assert m.get("d0").state == WorkerState.CONNECTED and m.get("p0").state == WorkerState.CONNECTED
+    assert Membership().register(info("d1", pb.DECODE))[0].state == WorkerState.JOINING
+
+
+@pytest.mark.parametrize("mode,status", [("disaggregated", 503), ("colocated", 200), ("auto", 200)])
+def test_health_with_a_decode_worker_only(mode, status):
+    from engine.tokenizer import Tokenizer
+    from engine.weights import resolve_model_path
+
+    membership = Membership(standalone_decode=mode != "disaggregated")
+    membership.register(info("d0", pb.DECODE))
+    state = build_state(RouterConfig(serving_mode=mode), Tokenizer.from_file(resolve_model_path(None)),
+                        64, membership, "/m.gguf")
+    with TestClient(create_app(state)) as client:
+        r = client.get("/health")
+        assert r.status_code == status and r.json()["decode"] == (0 if status == 503 else 1)
+        assert "pdserve_requests_by_path" in client.get("/metrics").text
