@@ -86,6 +86,8 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     print(f"pdserve is up: {cluster.url}/v1  (OpenAI API; Ctrl-C stops)", flush=True)
     try:
+        if args.ask:
+            _ask(cluster.url, args.ask)
         while not stop_signal:
             wake.wait(5.0)
             wake.clear()
@@ -99,6 +101,27 @@ def _up(args: argparse.Namespace) -> int:
         print("stopping ...", flush=True)
         cluster.stop()
     return 0
+
+
+def _ask(url: str, question: str) -> None:
+    """Send ``question`` through the OpenAI chat API (streamed) and print the answer."""
+    import json
+
+    import httpx
+
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": question}],
+            "max_tokens": 128, "temperature": 0, "stream": True}
+    print(f"> {question}", flush=True)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
+        if resp.status_code != 200:
+            print(f"error: HTTP {resp.status_code}: {resp.read().decode(errors='replace')}", file=sys.stderr)
+            return
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    sys.stdout.write(choice.get("delta", {}).get("content") or "")
+                    sys.stdout.flush()
+    print(flush=True)
 
 
 def _cpu_list(text: str) -> tuple[int, ...]:
@@ -143,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                         "auto: prompts under --colocated-threshold-tokens colocated")
     u.add_argument("--colocated-threshold-tokens", type=int, default=0,
                    help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
+    u.add_argument("--ask", default=None, metavar="QUESTION",
+                   help="once up, send QUESTION through the OpenAI API and print the answer; keep serving")
     u.add_argument("--cpu-affinity", type=_cpu_list, default=(), metavar="CPU,CPU,...",
                    help="pin workers one CPU each, in order prefill-0.., decode-0.. (cycling)")
     u.set_defaults(func=_up)

@@ -34,7 +34,8 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
     http_port, registry_port = free_port(), free_port()
     argv = [sys.executable, "-m", "deploy.cli", "up", "--http-port", str(http_port),
-            "--registry-port", str(registry_port), "--num-blocks", "256", "--log-dir", str(tmp_path)]
+            "--registry-port", str(registry_port), "--num-blocks", "256", "--log-dir", str(tmp_path),
+            "--ask", "What is the capital of France?"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], name="up-stdout", daemon=True).start()
@@ -43,6 +44,8 @@ def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
         while not any("pdserve is up" in l for l in seen):
             seen.append(lines.get(timeout=240))
         assert f"http://127.0.0.1:{http_port}/v1" in seen[-1]
+        while not any("Paris" in l for l in seen):  # README's run command answers a request
+            seen.append(lines.get(timeout=120))
 
         class _C:
             url = f"http://127.0.0.1:{http_port}"
