@@ -78,6 +78,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--transfer-engine", default="auto")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--settle-s", type=float, default=20.0,
+                    help="idle time after the cluster is up before measuring (workers finish warming up)")
     args = ap.parse_args(argv)
     from engine.tokenizer import Tokenizer
     from engine.weights import default_model_path
@@ -87,6 +89,7 @@ def main(argv=None) -> dict:
     config = LauncherConfig(http_port=0, registry_port=0, transfer_engine=args.transfer_engine,
                             log_dir=tempfile.mkdtemp(prefix="pdserve-latency-"))
     with Cluster(config).start() as cluster:
+        time.sleep(args.settle_s)
         rows["disaggregated"] = measure_cluster(cluster.url, prompt, args.max_tokens, args.repeats)
     result = {"prompt_tokens": len(prompt), "max_tokens": args.max_tokens, "repeats": args.repeats,
               "transfer_engine": args.transfer_engine, "rows": {}}
