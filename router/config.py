@@ -51,6 +51,8 @@ class RouterConfig:
             costs one attempt.
         broker_timeout_s: how long connection brokering of one pair is retried (seconds).
         max_tokens_limit: the largest ``max_tokens`` accepted (besides the context check).
+        tls_cert / tls_key / tls_ca: PEM files enabling TLS on every gRPC connection (the
+            Registry server and the channels to workers); all three or none.
         api_key_file: file holding the HTTP API key clients must send as ``Authorization: Bearer``
             (None: ``$PDSERVE_API_KEY``; neither: no key required).
         secret_file: file holding the cluster secret; its control token (`rpc.auth`) goes with
@@ -83,10 +85,20 @@ class RouterConfig:
     max_tokens_limit: int = 1 << 20
     secret_file: str | None = None
     api_key_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     serving_mode: str = "disaggregated"
     colocated_threshold_tokens: int = 0
 
+    @property
+    def tls(self):
+        from rpc.auth import TLSFiles
+
+        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
     def __post_init__(self) -> None:
+        self.tls  # all three TLS files or none (ValueError)
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         split_address(self.registry_address)

@@ -439,7 +439,7 @@ class Orchestrator:
         if entry is None or entry[0] != m.epoch:
             if entry is not None:
                 self._spawn(entry[1].close())
-            entry = (m.epoch, grpc.aio.insecure_channel(m.grpc_address))
+            entry = (m.epoch, self.config.tls.aio_channel(m.grpc_address))
             self._channels[m.worker_id] = entry
         return entry[1]
 

@@ -211,7 +211,7 @@ class Broker:
         if entry is None or entry[0] != m.grpc_address:
             if entry is not None:
                 entry[1].close()
-            entry = (m.grpc_address, grpc.insecure_channel(m.grpc_address))
+            entry = (m.grpc_address, self._config.tls.channel(m.grpc_address))
             self._channels[m.worker_id] = entry
         return entry[1]
 
@@ -247,7 +247,7 @@ class ControlPlane:
     def start(self) -> None:
         """Bind and start. Raises `RuntimeError` when the registry address cannot be bound."""
         try:
-            self.registry_port = self._server.add_insecure_port(self.config.registry_address)
+            self.registry_port = self.config.tls.add_port(self._server, self.config.registry_address)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot bind the registry at {self.config.registry_address}: {exc}") from exc
         self._server.start()

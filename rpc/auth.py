@@ -90,3 +90,35 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
 def channel_credentials(ca_file: str | None) -> grpc.ChannelCredentials:
     """TLS credentials for a client; ``ca_file`` None uses the system roots."""
     return grpc.ssl_channel_credentials(Path(ca_file).read_bytes() if ca_file else None)
+
+
+class TLSFiles:
+    """PEM files for mutual use by every cluster member: ``cert``/``key`` of this process and the
+    ``ca`` that signed its peers' certificates. All None: plaintext gRPC (the cluster token still
+    authenticates members)."""
+
+    def __init__(self, cert: str | None = None, key: str | None = None, ca: str | None = None):
+        given = [x is not None for x in (cert, key, ca)]
+        if any(given) and not all(given):
+            raise ValueError("TLS needs all of --tls-cert, --tls-key and --tls-ca")
+        self.cert, self.key, self.ca = cert, key, ca
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
+
+    def add_port(self, server, address: str) -> int:
+        """Bind ``server`` (sync or aio) to ``address``, with TLS when enabled."""
+        if self.enabled:
+            return server.add_secure_port(address, server_credentials(self.cert, self.key))
+        return server.add_insecure_port(address)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.enabled:
+            return grpc.secure_channel(address, channel_credentials(self.ca))
+        return grpc.insecure_channel(address)
+
+    def aio_channel(self, address: str):
+        if self.enabled:
+            return grpc.aio.secure_channel(address, channel_credentials(self.ca))
+        return grpc.aio.insecure_channel(address)

@@ -49,6 +49,7 @@ class WorkerConfig:
         rdma_port: verbs engine: HCA port (1-based).
         rdma_gid_index: verbs engine: GID table index (RoCE v2 is usually 1 or 3).
         rdma_mtu: verbs engine: path MTU in bytes (256..4096).
+        tls_cert / tls_key / tls_ca: PEM files enabling TLS on gRPC (all three, or none).
         secret: cluster secret authenticating data-plane peers (>= 16 bytes).
     """
 
@@ -76,6 +77,9 @@ class WorkerConfig:
     rdma_port: int = 1
     rdma_gid_index: int = 0
     rdma_mtu: int = 4096
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     secret: bytes = DEV_SECRET
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ import grpc
 
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
-from rpc.auth import client_interceptor
+from rpc.auth import TLSFiles, client_interceptor
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +40,14 @@ class RegistrationClient:
 
     def __init__(self, router: str, info: pb.WorkerInfo, load: Callable[[], pb.LoadStats],
                  interval_s: float = 1.0, on_refused: Callable[[str], None] | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, tls: TLSFiles | None = None):
         self._router = router
         self._info = info
         self._load = load
         self._interval = interval_s
         self._on_refused = on_refused
         self._stop = threading.Event()
-        self._channel = grpc.insecure_channel(router)
+        self._channel = (tls or TLSFiles()).channel(router)
         channel = self._channel if secret is None else grpc.intercept_channel(self._channel,
                                                                                 client_interceptor(secret))
         self._stub = pb_grpc.RegistryStub(channel)

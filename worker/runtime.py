@@ -27,7 +27,7 @@ from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, Tr
                         allocate_shared_buffer, create_engine)
 from kvtransfer.endpoint import local_host_id
 from rpc import PROTOCOL_VERSION
-from rpc.auth import ServerAuthInterceptor
+from rpc.auth import ServerAuthInterceptor, TLSFiles
 from rpc import pdserve_pb2 as pb
 from worker.config import WorkerConfig
 from worker.registration import RegistrationClient
@@ -114,14 +114,15 @@ class WorkerServer:
                                   interceptors=[ServerAuthInterceptor(res.config.secret)])
         service.add_to_server(self.server)
         c = res.config
-        port = self.server.add_insecure_port(f"{c.listen_host}:{c.listen_port}")
+        self.tls = TLSFiles(c.tls_cert, c.tls_key, c.tls_ca)
+        port = self.tls.add_port(self.server, f"{c.listen_host}:{c.listen_port}")
         if port == 0:
             raise OSError(f"cannot bind gRPC server to {c.listen}")
         self.address = f"{c.host_for_peers}:{port}"
         self.stopped = threading.Event()
         self.registration = RegistrationClient(c.router, worker_info(res, self.address), service.load,
                                                c.heartbeat_interval_s, on_refused=self._refused,
-                                               secret=c.secret)
+                                               secret=c.secret, tls=self.tls)
 
     def _refused(self, reason: str) -> None:
         log.error("registration refused: %s", reason)
