@@ -37,8 +37,7 @@ from engine.ids import BlockId
 from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
-from kvtransfer import (CompletionCounter, KVTransferError, PeerLostError, TransferError, TransferTimeout,
-                        unpack_immediate)
+from kvtransfer import CompletionCounter, KVTransferError, PeerLostError, TransferError, TransferTimeout
 from worker.runtime import WorkerResources
 
 log = logging.getLogger(__name__)
@@ -89,34 +88,21 @@ class Reservation:
 
 
 class DecodeArrivals:
-    """The transfer engine's arrival sink for a decode worker: feeds the `CompletionCounter` and
-    remembers which writer endpoints wrote into which (slot, generation), so that quarantined
-    blocks are freed as soon as every writer that touched them has lost its connection."""
+    """The transfer engine's arrival sink for a decode worker: immediates go to the
+    `CompletionCounter`; a writer's lost connection also reaches ``on_lost`` callbacks (the decode
+    worker frees quarantined blocks that writer was the last to touch)."""
 
     def __init__(self, counter: CompletionCounter):
         self.counter = counter
-        self._sources: dict[tuple[int, int], set[str]] = {}
-        self._lock = threading.Lock()
         self.on_lost: list = []
 
     def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
         self.counter.on_immediate(imm, source, count)
-        try:
-            d = unpack_immediate(imm)
-        except ValueError:
-            return
-        with self._lock:
-            self._sources.setdefault((d.slot, d.generation), set()).add(source)
 
     def on_peer_lost(self, source: str, error: TransferError) -> None:
         self.counter.on_peer_lost(source, error)
         for callback in list(self.on_lost):
             callback(source)
-
-    def take_sources(self, slot: int, generation: int) -> set[str]:
-        """The writers seen for (slot, generation), forgetting them."""
-        with self._lock:
-            return self._sources.pop((slot, generation), set())
 
 
 class DecodeWorker:
@@ -201,7 +187,6 @@ class DecodeWorker:
             if r.state != ResState.WAITING_KV:  # aborted while waiting
                 raise TransferError(f"request {request_id} was aborted")
             self.counter.release(r.slot, r.generation)
-            self.arrivals.take_sources(r.slot, r.generation)
             self.metrics["transfers_completed"] += 1
             r.move(ResState.DECODING)
             done = self.gen.add_prefilled(request_id, prompt_token_ids, first_token, r.blocks, params)
@@ -283,8 +268,8 @@ class DecodeWorker:
         if r.state in (ResState.FAILED, ResState.DONE):
             return
         r.move(ResState.FAILED)
+        writers = set(self.counter.writers(r.slot, r.generation))
         self.counter.release(r.slot, r.generation)
-        writers = self.arrivals.take_sources(r.slot, r.generation)
         self.metrics["transfers_failed"] += 1
         if r.writer_stopped or isinstance(error, PeerLostError):
             self.res.pool.allocator.free(r.blocks)

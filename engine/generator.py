@@ -113,21 +113,13 @@ class Generator:
             CapacityError: prompt + max_tokens needs more blocks than the whole pool holds.
             ValueError: ``request_id`` is already in flight.
         """
-        rid = RequestId(request_id)
-        if rid in self._by_id:
-            raise ValueError(f"request {rid!r} is already in flight")
-        c = self.model.config
-        validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
         need = blocks_needed(len(prompt_token_ids) + params.max_tokens, self.pool.block_size)
         if need > self.pool.num_blocks:
             raise CapacityError(
                 f"request needs {need} KV blocks; the pool holds {self.pool.num_blocks}")
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
-        seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator())
-        if self.tokenizer is not None:
-            seq.detokenizer = self.tokenizer.detokenizer(params.stop)
         self.waiting.append(seq)
-        self._by_id[rid] = seq
+        self._by_id[seq.request_id] = seq
 
     def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                       block_table: Seq[BlockId], params: SamplingParams) -> StepOutput | None:
@@ -145,23 +137,26 @@ class Generator:
             InvalidRequestError / ContextLengthError: as `add_request`.
             ValueError: duplicate request id, or ``block_table`` too short for the prompt.
         """
+        if len(block_table) * self.pool.block_size < len(prompt_token_ids):
+            raise ValueError(f"{len(block_table)} blocks cannot hold a {len(prompt_token_ids)}-token prompt")
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.block_table, seq.num_computed, seq.status = list(block_table), len(prompt_token_ids), SeqStatus.RUNNING
+        self._by_id[seq.request_id] = seq
+        self.running.append(seq)
+        out = self._append(seq, int(first_token))
+        return out if out.finished else None
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
         rid = RequestId(request_id)
         if rid in self._by_id:
             raise ValueError(f"request {rid!r} is already in flight")
         c = self.model.config
         validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
-        if len(block_table) * self.pool.block_size < len(prompt_token_ids):
-            raise ValueError(f"{len(block_table)} blocks cannot hold a {len(prompt_token_ids)}-token prompt")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
-        seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator(),
-                       block_table=list(block_table), num_computed=len(prompt_token_ids),
-                       status=SeqStatus.RUNNING)
+        seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator())
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.detokenizer(params.stop)
-        self._by_id[rid] = seq
-        self.running.append(seq)
-        out = self._append(seq, int(first_token))
-        return out if out.finished else None
+        return seq
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Stop a request and free its blocks; None when it is not in flight."""

@@ -58,8 +58,12 @@ class LlamaModel:
                 (a prefill worker posts that layer's KV writes from it).
         Returns:
             ``[len(batch.logits_indices), vocab_size]`` float32 logits.
+        Raises:
+            ValueError: the pool's dtype is not the model's.
         """
         c = self.config
+        if pool.kv.dtype != self.dtype:
+            raise ValueError(f"KV pool dtype {pool.kv.dtype} differs from the model's {self.dtype}")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         h = self._embed.index_select(0, batch.input_ids)
@@ -74,10 +78,8 @@ class LlamaModel:
             k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(t, c.num_kv_heads, c.head_dim)
             k_pool, v_pool = pool.layer_view(i)
-            k_pool.index_copy_(0, batch.slot_mapping, k.to(k_pool.dtype))
-            v_pool.index_copy_(0, batch.slot_mapping, v.to(v_pool.dtype))
-            if k_pool.dtype != q.dtype:
-                k_pool, v_pool = k_pool.to(q.dtype), v_pool.to(q.dtype)
+            k_pool.index_copy_(0, batch.slot_mapping, k)
+            v_pool.index_copy_(0, batch.slot_mapping, v)
             attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size)
             h = h + lin.wo(attn)
             x = F.rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)

@@ -30,6 +30,8 @@ class Tokenizer:
         stop_token_ids: ids that end generation (EOS plus the template's end-of-turn token).
         chat_template: Jinja2 source, or None when the model has none.
         bos_token / eos_token: strings passed to the template.
+        context_length: the model's context window in tokens, from the same metadata (None when
+            the files do not say).
     """
 
     backend: object
@@ -40,6 +42,7 @@ class Tokenizer:
     eos_token: str = ""
     add_bos: bool = False
     bos_token_id: int | None = None
+    context_length: int | None = None
     _template: object = field(default=None, repr=False)
 
     @property
@@ -82,9 +85,13 @@ class Tokenizer:
         return IncrementalDetokenizer(self, stop)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Tokenizer":
-        """From a ``.gguf`` file or a Hugging Face directory. Raises `TokenizerError`."""
-        path = Path(path)
+    def from_file(cls, path: str | Path | None = None) -> "Tokenizer":
+        """From a ``.gguf`` file or a Hugging Face directory (None: the default model).
+
+        Raises `TokenizerError`, or `ModelLoadError` for a missing path."""
+        from engine.weights import resolve_model_path
+
+        path = resolve_model_path(path)
         if path.is_dir():
             return _from_hf_dir(path)
         return _from_gguf(path)
@@ -126,7 +133,13 @@ def _from_gguf(path: Path) -> Tokenizer:
         chat_template=template, bos_token=tokens[bos] if bos is not None else "",
         eos_token=tokens[eos], add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
         bos_token_id=int(bos) if bos is not None else None,
+        context_length=_int_or_none(gguf_field(
+            reader, f"{gguf_field(reader, 'general.architecture', 'llama')}.context_length")),
     )
+
+
+def _int_or_none(value) -> int | None:
+    return int(value) if value else None
 
 
 def _stop_ids(vocab: dict[str, int], eos: int, template: str | None) -> frozenset[int]:
@@ -157,19 +170,23 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     if eos_token not in vocab:
         raise TokenizerError(f"{path}: eos token {eos_token!r} not in the vocabulary")
     template = config.get("chat_template")
+    model_config = path / "config.json"
+    context = (json.loads(model_config.read_text()).get("max_position_embeddings")
+               if model_config.exists() else None)
     return Tokenizer(backend=backend, eos_token_id=vocab[eos_token],
                      stop_token_ids=_stop_ids(vocab, vocab[eos_token], template),
                      chat_template=template, bos_token=bos_token, eos_token=eos_token,
-                     add_bos=False, bos_token_id=vocab.get(bos_token))
+                     add_bos=False, bos_token_id=vocab.get(bos_token), context_length=_int_or_none(context))
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, and finds stop strings.
 
-    Text that could still be the start of a stop string is held back until it cannot be, so a
-    streamed client never sees characters that are later cut. Incomplete UTF-8 sequences (the
-    decoder yields U+FFFD) are held back too. Method after vLLM's incremental detokenizer
-    (prefix/read offsets), simplified.
+    Each token decodes only a short window (the tokens since the last emitted text boundary), so
+    the cost per token does not grow with the output (method after vLLM's incremental
+    detokenizer: a prefix offset and a read offset). Incomplete UTF-8 sequences (the decoder
+    yields U+FFFD) wait for the next token. Text that could still be the start of a stop string is
+    held back until it cannot be, so a streamed client never sees characters that are later cut.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
@@ -177,6 +194,8 @@ class IncrementalDetokenizer:
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
+        self._prefix = 0        # window start: tokens before it are fully in ``text``
+        self._read = 0          # tokens up to here are in ``text``
         self.text = ""          # all text decoded so far (truncated at a stop string)
         self._emitted = 0       # characters of ``text`` already returned
         self.stopped_by: str | None = None
@@ -186,11 +205,13 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         self._ids.append(int(token_id))
-        full = self._tok.decode(self._ids)
-        if full.endswith("\ufffd"):
+        window = self._tok.decode(self._ids[self._prefix:])
+        if window.endswith("\ufffd"):
             return ""
+        known = self._tok.decode(self._ids[self._prefix:self._read])
         search_from = max(0, len(self.text) - self._hold)
-        self.text = full
+        self.text += window[len(known):]
+        self._prefix, self._read = self._read, len(self._ids)
         for s in self._stop:
             at = self.text.find(s, search_from)
             if at >= 0:
@@ -200,7 +221,12 @@ class IncrementalDetokenizer:
         return self._take(len(self.text) - self._hold if self._stop else len(self.text))
 
     def flush(self) -> str:
-        """The held-back remainder, at the end of generation."""
+        """The held-back remainder at the end of generation (with any incomplete UTF-8 tail
+        decoded as U+FFFD, as a full decode would)."""
+        if self.stopped_by is None and self._read < len(self._ids):
+            window = self._tok.decode(self._ids[self._prefix:])
+            self.text += window[len(self._tok.decode(self._ids[self._prefix:self._read])):]
+            self._read = len(self._ids)
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:

@@ -255,6 +255,13 @@ class CompletionCounter:
         self._notify(done)
         raise done[0][3]
 
+    def writers(self, slot: int, generation: int) -> frozenset[str]:
+        """Endpoint ids of the writers seen for (``slot``, ``generation``) (from arrivals and
+        ``expect(source=...)``); empty once the slot was acquired again."""
+        with self._cond:
+            s = self._get(slot)
+            return frozenset(s.sources) if s.generation == generation else frozenset()
+
     def state(self, slot: int) -> SlotStatus:
         """A snapshot of ``slot``."""
         with self._cond:

@@ -8,7 +8,6 @@ control plane (stops the Registry server, joins the broker and monitor threads).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -31,30 +30,20 @@ def load_tokenizer(model: str | None):
     """
     from engine.errors import ModelLoadError
     from engine.tokenizer import Tokenizer
-    from engine.weights import _gguf_reader, gguf_field, resolve_model_path
+    from engine.weights import resolve_model_path
 
     path = resolve_model_path(model)
     tokenizer = Tokenizer.from_file(path)
-    if path.is_dir():
-        context = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
-    else:
-        reader = _gguf_reader(path)
-        arch = gguf_field(reader, "general.architecture", "llama")
-        context = gguf_field(reader, f"{arch}.context_length")
-    if not context:
+    if not tokenizer.context_length:
         raise ModelLoadError(f"{path}: no context length in the model metadata")
-    return tokenizer, int(context), path
-
-
-DEV_SECRET = b"pdserve-development-secret-do-not-use"  # the workers' default (worker.config)
+    return tokenizer, tokenizer.context_length, path
 
 
 def read_secret(config: RouterConfig) -> bytes:
-    """The cluster secret: ``secret_file``, else ``$PDSERVE_SECRET``, else the development
-    secret. The only place the router reads the environment."""
-    if config.secret_file:
-        return Path(config.secret_file).read_bytes().strip()
-    return os.environ.get("PDSERVE_SECRET", "").encode() or DEV_SECRET
+    """The cluster secret (`rpc.auth.read_secret`: ``secret_file``, else ``$PDSERVE_SECRET``)."""
+    from rpc.auth import read_secret as read
+
+    return read(config.secret_file)
 
 
 def read_api_key(config: RouterConfig) -> str | None:

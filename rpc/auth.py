@@ -18,6 +18,19 @@ import grpc
 from rpc import PROTOCOL_VERSION
 
 TOKEN_HEADER = "x-pdserve-token"
+DEV_SECRET = b"pdserve-development-secret-do-not-use"
+SECRET_ENV = "PDSERVE_SECRET"
+
+
+def read_secret(path: str | None) -> bytes:
+    """The cluster secret every member uses: the contents of ``path``, else ``$PDSERVE_SECRET``,
+    else `DEV_SECRET` (development only). The one place the secret is read from the environment."""
+    import os
+
+    if path:
+        return Path(path).read_bytes().strip()
+    env = os.environ.get(SECRET_ENV)
+    return env.encode() if env else DEV_SECRET
 
 
 def control_token(secret: bytes) -> str:

@@ -1,18 +1,17 @@
 """Worker configuration: one frozen dataclass, validated when built; CLI flags mirror the fields.
 
-Environment variables are read in one place only, `WorkerConfig.from_args`: ``PDSERVE_SECRET``
-(cluster secret shared by the data plane) when ``--secret-file`` is not given.
+The cluster secret comes from ``--secret-file``, else ``$PDSERVE_SECRET`` (`rpc.auth.read_secret`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import uuid
 from dataclasses import dataclass, fields
 
-DEV_SECRET = b"pdserve-development-secret-do-not-use"
+from rpc.auth import DEV_SECRET, read_secret
+
 ROLES = ("prefill", "decode")
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
 
@@ -135,15 +134,6 @@ class WorkerConfig:
     def from_args(cls, role: str, args: argparse.Namespace) -> "WorkerConfig":
         values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in ("role", "secret")}
         return cls(role=role, secret=read_secret(args.secret_file), **values)
-
-
-def read_secret(path: str | None) -> bytes:
-    """The cluster secret: from ``path``, else ``$PDSERVE_SECRET``, else the development secret."""
-    if path:
-        with open(path, "rb") as f:
-            return f.read().strip()
-    env = os.environ.get("PDSERVE_SECRET")
-    return env.encode() if env else DEV_SECRET
 
 
 def _split_hostport(value: str) -> tuple[str, int]:

@@ -120,6 +120,7 @@ class WorkerServer:
             raise OSError(f"cannot bind gRPC server to {c.listen}")
         self.address = f"{c.host_for_peers}:{port}"
         self.stopped = threading.Event()
+        self._closed = False
         self.registration = RegistrationClient(c.router, worker_info(res, self.address), service.load,
                                                c.heartbeat_interval_s, on_refused=self._refused,
                                                secret=c.secret, tls=self.tls)
@@ -135,7 +136,7 @@ class WorkerServer:
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Drain, leave the router, stop the server, release everything. Idempotent."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         self.service.drain(drain_timeout_s)

@@ -16,7 +16,7 @@ import httpx
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pbg
 from rpc.auth import call_metadata
-from worker.config import read_secret
+from rpc.auth import read_secret
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from engine.sampling import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.auth import client_interceptor
-from worker.config import DEV_SECRET
+from rpc.auth import DEV_SECRET
 from worker.convert import sampling_to_proto
 
 pytestmark = pytest.mark.integration
