@@ -11,30 +11,52 @@ Types:
            Each payload goes to ``offset`` of region ``key``; its ``imm`` is delivered after the
            payload is in place iff its descriptor has HAS_IMM. Many writes per frame let the
            receiver place them with one ``recvmsg_into`` scatter list.
-    NOTIFY (writer -> receiver, shm): the writer already copied ``length`` bytes at ``offset`` of
-           ``key``; no payload; the receiver checks bounds and delivers ``imm`` iff HAS_IMM.
-    ACK    (receiver -> writer): answers the frame carrying flag ACK_REQ with the same ``seq``;
-           ``status`` is the first :class:`WireStatus` error since the previous ACK (OK if none),
-           ``length`` the number of writes rejected since then.
+    NOTIFY (writer -> receiver, shm): ``length`` = N write descriptors follow, no payloads: the
+           writer already copied each descriptor's bytes into the shared mapping; the receiver
+           checks them and delivers each ``imm`` iff its descriptor has HAS_IMM.
+    ACK    (receiver -> writer): completes the batch part with sequence number ``seq``;
+           ``status`` is the first :class:`WireStatus` error among its writes (OK if none),
+           ``length`` the number of its writes rejected.
     BYE    (writer -> receiver): graceful end of the stream; nothing may follow.
+
+Batches and groups. A stream numbers its batch parts 1, 2, 3, ... in send order. The writer's tx
+thread takes every part already queued (a group) and sends their descriptors back to back, packed
+into as few WRITE/NOTIFY frames as :data:`MAX_DESCS` allows; the last descriptor of each part
+carries END_BATCH. A frame in which at least one part ends has ACK_REQ and ``seq`` = the first
+part ending in it (the next ones are ``seq + 1``, ...). The receiver queues one ACK per ended part
+and sends its queued ACKs when a frame has FLUSH, which the writer sets on the last frame of a
+group. One post list per group, as verbs does with a chain of work requests: the per-frame and per
+round-trip costs are paid once per group rather than once per posted batch, which is what small
+per-layer KV batches need when the writer posts faster than the wire drains.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from enum import IntEnum, IntFlag
+
+import numpy as np
 
 from kvtransfer.errors import PeerLostError, TransferError
 
+if TYPE_CHECKING:
+    from kvtransfer.base import WriteOp
+    from kvtransfer.memory import MemoryTable, Registration
+
 MAGIC = 0x4B56
-VERSION = 1
+VERSION = 2   # 2: groups (END_BATCH, FLUSH)
 HEADER = struct.Struct("!HBBHHIIQQQ")
 HEADER_SIZE = HEADER.size
 DESC = struct.Struct("!IIQQI")
 DESC_SIZE = DESC.size
-MAX_DESCS = 256
+# The same record as a numpy dtype (packed, big-endian) for vectorised checks at the receiver.
+DESC_DTYPE = np.dtype([("key", ">u4"), ("imm", ">u4"), ("offset", ">u8"), ("length", ">u8"), ("flags", ">u4")])
+assert DESC_DTYPE.itemsize == DESC_SIZE
+MAX_DESCS = 1024
 IOV_BATCH = 1000  # at most IOV_MAX (1024) buffers per sendmsg / recvmsg
 
 
@@ -46,13 +68,18 @@ class FrameType(IntEnum):
 
 
 class FrameFlag(IntFlag):
+    """Header flags (HAS_IMM is kept for the header's own ``imm`` field, unused by the engines)."""
+
     NONE = 0
     HAS_IMM = 1
     ACK_REQ = 2
+    FLUSH = 4
 
 
 # Plain-int copies for hot loops (IntFlag arithmetic costs microseconds per call).
-F_HAS_IMM, F_ACK_REQ = int(FrameFlag.HAS_IMM), int(FrameFlag.ACK_REQ)
+F_HAS_IMM, F_ACK_REQ, F_FLUSH = int(FrameFlag.HAS_IMM), int(FrameFlag.ACK_REQ), int(FrameFlag.FLUSH)
+# Descriptor flags (the ``flags`` field of :data:`DESC`).
+D_HAS_IMM, D_END_BATCH = 1, 2
 T_WRITE, T_NOTIFY, T_ACK, T_BYE = (int(t) for t in FrameType)
 
 
@@ -150,3 +177,112 @@ def _send_iov(sock: socket.socket, parts: list) -> None:
             continue
         sock.sendall(mv[sent:])
         sent = 0
+
+
+def pack_descs(ops: "Sequence[WriteOp]") -> bytes:
+    """The :data:`DESC` records of one batch part (remote key, immediate, remote offset, length),
+    back to back, its last one flagged END_BATCH."""
+    pack = DESC.pack
+    out = [pack(op.remote_key, op.imm or 0, op.remote_offset, op.length,
+                D_HAS_IMM if op.imm is not None else 0) for op in ops]
+    if ops:
+        last = ops[-1]
+        out[-1] = pack(last.remote_key, last.imm or 0, last.remote_offset, last.length,
+                       (D_HAS_IMM if last.imm is not None else 0) | D_END_BATCH)
+    return b"".join(out)
+
+
+def group_frames(ftype: int, batches: "Sequence[tuple[Sequence[WriteOp], int]]") -> "list[tuple[bytes, list[WriteOp]]]":
+    """Frames (header + descriptors, and the ops whose descriptors they carry) sending the
+    batch parts ``[(ops, seq), ...]`` (non-empty, consecutive ``seq``) as one group; see the
+    module docstring. Raises ``ValueError`` for an empty or non-consecutive group."""
+    if not batches or any(not ops for ops, _ in batches):
+        raise ValueError("a group needs at least one part and no empty part")
+    if any(b[1] != batches[0][1] + i for i, b in enumerate(batches)):
+        raise ValueError("the parts of a group must have consecutive sequence numbers")
+    flat: list[WriteOp] = []
+    ends: list[int] = []   # index of each part's last op in ``flat``
+    for ops, _ in batches:
+        flat.extend(ops)
+        ends.append(len(flat) - 1)
+    raw = b"".join(pack_descs(ops) for ops, _ in batches)
+    frames, part = [], 0
+    for start in range(0, len(flat), MAX_DESCS):
+        stop = min(start + MAX_DESCS, len(flat))
+        flags, seq = 0, 0
+        if part < len(ends) and ends[part] < stop:
+            flags, seq = F_ACK_REQ, batches[part][1]
+            while part < len(ends) and ends[part] < stop:
+                part += 1
+        if stop == len(flat):
+            flags |= F_FLUSH
+        header = HEADER.pack(MAGIC, VERSION, ftype, flags, 0, 0, 0, 0, stop - start, seq)
+        frames.append((header + raw[start * DESC_SIZE:stop * DESC_SIZE], flat[start:stop]))
+    return frames
+
+
+@dataclass(slots=True)
+class CheckedDescs:
+    """Descriptors of one frame after the receiver's key and bounds checks.
+
+    ``status`` is a ``uint8`` array of :class:`WireStatus` per descriptor (all zero when
+    ``rejected`` is 0); ``regs`` maps each valid key to its registration; ``imms`` are the
+    immediates (``uint32``, wire order kept) of the accepted descriptors that carry one;
+    ``nbytes`` the bytes of the accepted descriptors.
+    """
+
+    descs: np.ndarray
+    status: np.ndarray
+    regs: "dict[int, Registration]"
+    imms: np.ndarray
+    rejected: int
+    first_error: int
+    nbytes: int
+
+
+def check_descs(raw: "bytes | bytearray | memoryview", memory: "MemoryTable",
+                need_shared: bool = False) -> CheckedDescs:
+    """Parse ``raw`` (N x :data:`DESC`) and check every descriptor against ``memory``.
+
+    A descriptor is BAD_KEY when its key is not registered (or, with ``need_shared``, its region
+    is not shared memory) and OUT_OF_BOUNDS when ``length`` is 0 or ``[offset, offset + length)``
+    leaves the region (a sum that wraps around 2**64 counts as outside). Vectorised: the cost
+    per frame is a few numpy calls plus one table lookup per distinct key, not Python work per write.
+    """
+    descs = np.frombuffer(raw, dtype=DESC_DTYPE)
+    keys, offsets, lengths = descs["key"], descs["offset"], descs["length"]
+    status = np.zeros(len(descs), dtype=np.uint8)
+    regs: dict[int, Registration] = {}
+    first = int(keys[0]) if len(keys) else 0
+    single = bool((keys == first).all())
+    for key in ([first] if single else np.unique(keys).tolist()):
+        rows = slice(None) if single else keys == key
+        reg = memory.get(key)
+        if reg is None or (need_shared and reg.shared is None):
+            status[rows] = _BAD_KEY
+            continue
+        regs[key] = reg
+        off, ln = offsets[rows], lengths[rows]
+        end = off + ln   # uint64; wraps for a hostile offset, caught by end < off
+        outside = (ln == 0) | (end > np.uint64(reg.region.length)) | (end < off)
+        status[rows] = outside.view(np.uint8) * np.uint8(_OUT_OF_BOUNDS)
+    has_imm = (descs["flags"] & D_HAS_IMM) != 0
+    bad = np.flatnonzero(status)
+    if len(bad) == 0:
+        return CheckedDescs(descs, status, regs, descs["imm"][has_imm], 0, 0, int(lengths.sum()))
+    ok = status == 0
+    return CheckedDescs(descs, status, regs, descs["imm"][has_imm & ok], len(bad), int(status[bad[0]]),
+                        int(lengths[ok].sum()))
+
+
+_BAD_KEY, _OUT_OF_BOUNDS = int(WireStatus.BAD_KEY), int(WireStatus.OUT_OF_BOUNDS)
+
+
+def imm_runs(imms: np.ndarray) -> list[tuple[int, int]]:
+    """``(immediate, count)`` for each run of equal consecutive values of ``imms``."""
+    if len(imms) == 0:
+        return []
+    starts = np.flatnonzero(imms[1:] != imms[:-1]) + 1
+    bounds = [0, *starts.tolist(), len(imms)]
+    values = imms[bounds[:-1]].tolist()
+    return [(v, bounds[i + 1] - bounds[i]) for i, v in enumerate(values)]

@@ -101,13 +101,18 @@ class ViewCache:
         self._table = table
         self._views: dict[int, memoryview] = {}
 
-    def slice(self, key: int, offset: int, length: int) -> memoryview:
+    def view(self, key: int) -> memoryview:
+        """The whole region ``key`` as a byte memoryview; ``RemoteAccessError`` if unknown."""
         view = self._views.get(key)
         if view is None:
             reg = self._table.get(key)
             if reg is None:
                 raise RemoteAccessError(f"unknown memory key {key:#x}")
             view = self._views[key] = memoryview(reg.view)
+        return view
+
+    def slice(self, key: int, offset: int, length: int) -> memoryview:
+        view = self.view(key)
         if offset < 0 or length <= 0 or offset + length > len(view):
             raise RemoteAccessError(f"range [{offset}, {offset + length}) outside region of {len(view)} bytes")
         return view[offset:offset + length]

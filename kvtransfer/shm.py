@@ -7,8 +7,8 @@ tcp), and only then receives the memfd over ``SCM_RIGHTS`` and maps it. No file 
 so an unauthenticated process cannot map the pool.
 
 A write is one memcpy from the writer's pool into the mapping; after the copies of a batch the
-writer sends one NOTIFY frame per write (key, offset, length, immediate) over the Unix socket; the
-receiver re-checks bounds, delivers the immediates and acks the batch. Keys and bounds are checked
+writer sends a NOTIFY frame with the batch's write descriptors (key, offset, length, immediate)
+over the Unix socket; the receiver re-checks them, delivers the immediates and acks the batch. Keys and bounds are checked
 by the writer before any byte is copied (a bad batch fails as a whole with ``RemoteAccessError``,
 nothing written): with shared memory the writer's library is the only place that can check, as
 the NIC is for verbs.
@@ -31,8 +31,8 @@ from kvtransfer.base import ArrivalHandler, WriteOp
 from kvtransfer.config import EngineConfig
 from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind, local_host_id
 from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
-from kvtransfer.frame import (F_ACK_REQ, F_HAS_IMM, HEADER, HEADER_SIZE, MAGIC, T_BYE, T_NOTIFY, VERSION,
-                              WireStatus, recv_exact)
+from kvtransfer.frame import (DESC_SIZE, HEADER, HEADER_SIZE, MAGIC, MAX_DESCS, T_BYE, T_NOTIFY, VERSION,
+                              check_descs, group_frames, recv_exact, recv_exact_many)
 from kvtransfer.memory import ViewCache
 from kvtransfer.software import (InboundConnection, OutboundPeer, OutboundStream, Shared,
                                  SoftwareEngine)
@@ -173,7 +173,7 @@ class ShmEngine(SoftwareEngine):
             sock.close()
             raise TransferError(f"cannot connect to shm peer {addr.path}: {exc}") from exc
         self._views[info.endpoint_id] = views
-        send = lambda s, ops, seq: self._send_batch(views, s, ops, seq)  # noqa: E731
+        send = lambda s, batches: self._send_batches(views, s, batches)  # noqa: E731
         return [OutboundStream(sock, f"kv-shm-{tag}", self._s, tag, self._threads, send)]
 
     def exported_keys(self, info: EndpointInfo) -> set[int]:
@@ -182,31 +182,34 @@ class ShmEngine(SoftwareEngine):
 
     def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
         views = self._views.get(peer.info.endpoint_id, {})
+        key, size = None, 0
         for op in ops:
-            view = views.get(op.remote_key)
-            if view is None:
-                return RemoteAccessError(f"unknown remote memory key {op.remote_key:#x}; batch rejected")
-            try:
-                check_bounds_len(len(view), op)
-            except RemoteAccessError as exc:
-                return exc
+            if op.remote_key != key:
+                view = views.get(op.remote_key)
+                if view is None:
+                    return RemoteAccessError(f"unknown remote memory key {op.remote_key:#x}; batch rejected")
+                key, size = op.remote_key, len(view)
+            if op.remote_offset < 0 or op.length <= 0 or op.remote_offset + op.length > size:
+                return RemoteAccessError(f"range [{op.remote_offset}, {op.remote_offset + op.length}) outside "
+                                         f"remote region of {size} bytes; batch rejected")
         return None
 
-    def _send_batch(self, views: dict[int, memoryview], sock: socket.socket, ops: Sequence[WriteOp],
-                    seq: int) -> None:
+    def _send_batches(self, views: dict[int, memoryview], sock: socket.socket,
+                      batches: list[tuple[Sequence[WriteOp], int]]) -> None:
         local = ViewCache(self._s.memory)
-        pack = HEADER.pack
         frames = []
-        last = len(ops) - 1
-        for i, op in enumerate(ops):
-            ro = op.remote_offset
-            views[op.remote_key][ro:ro + op.length] = local.slice(op.local.key, op.local_offset, op.length)
-            if i == last:
-                flags, frame_seq = (F_HAS_IMM if op.imm is not None else 0) | F_ACK_REQ, seq
-            else:
-                flags, frame_seq = (F_HAS_IMM if op.imm is not None else 0), 0
-            frames.append(pack(MAGIC, VERSION, T_NOTIFY, flags, 0, op.remote_key, op.imm or 0, ro,
-                               op.length, frame_seq))
+        key = remote_key = None
+        for frame, ops in group_frames(T_NOTIFY, batches):
+            for op in ops:   # ranges were checked at post; keys are looked up once per run
+                if op.local.key != key:
+                    key = op.local.key
+                    src = local.view(key)
+                if op.remote_key != remote_key:
+                    remote_key = op.remote_key
+                    dst = views[remote_key]
+                ro, lo, n = op.remote_offset, op.local_offset, op.length
+                dst[ro:ro + n] = src[lo:lo + n]
+            frames.append(frame)
         sock.sendall(b"".join(frames))
 
     def disconnect(self, peer) -> None:  # type: ignore[override]
@@ -218,53 +221,25 @@ class ShmEngine(SoftwareEngine):
 
 
 class _ShmInbound(InboundConnection):
-    """Frame loop of the shm receiver: NOTIFY frames carry no payload, so headers are read in
-    bulk into a buffer and parsed from it."""
+    """Frame loop of the shm receiver: a NOTIFY frame's descriptors are checked (vectorised, see
+    :func:`~kvtransfer.frame.check_descs`; only shared regions are valid targets) and the
+    immediates of the accepted ones delivered: the bytes are already in place."""
 
     def _serve(self) -> None:
         sock, memory = self.sock, self._shared.memory
-        buf = bytearray(HEADER_SIZE * 1024)
-        imms: list[int] = []
-        view = memoryview(buf)
-        start = end = 0
-        first_error = rejected = received = nbytes = 0
+        hdr = memoryview(bytearray(HEADER_SIZE))
+        descs = memoryview(bytearray(DESC_SIZE * MAX_DESCS))
         while True:
-            if end - start < HEADER_SIZE:
-                view[:end - start] = view[start:end]
-                end, start = end - start, 0
-                n = sock.recv_into(view[end:])
-                if n == 0:
-                    raise PeerLostError("connection closed without BYE")
-                end += n
-                continue
-            magic, version, ftype, flags, _, key, imm, offset, length, seq = HEADER.unpack_from(buf, start)
-            start += HEADER_SIZE
+            if not recv_exact(sock, hdr):
+                raise PeerLostError("connection closed without BYE")
+            magic, version, ftype, flags, _, _, _, _, count, seq = HEADER.unpack(hdr)
             if magic != MAGIC or version != VERSION:
                 raise TransferError("bad frame header")
             if ftype == T_BYE:
                 return
-            if ftype != T_NOTIFY:
-                raise TransferError(f"unexpected frame type {ftype}")
-            reg = memory.get(key)
-            status = (WireStatus.BAD_KEY if reg is None or reg.shared is None else WireStatus.OUT_OF_BOUNDS
-                      if length == 0 or offset + length > reg.region.length else WireStatus.OK)
-            if status == WireStatus.OK:
-                received += 1
-                nbytes += length
-                if flags & F_HAS_IMM:
-                    imms.append(imm)
-            else:
-                rejected += 1
-                first_error = first_error or status
-            if flags & F_ACK_REQ or len(imms) >= 4096:
-                self._deliver(imms)
-                imms.clear()
-            if flags & F_ACK_REQ:
-                self._end_batch(seq, first_error, rejected, received, nbytes)
-                first_error = rejected = received = nbytes = 0
-
-
-def check_bounds_len(region_length: int, op: WriteOp) -> None:
-    if op.remote_offset < 0 or op.length <= 0 or op.remote_offset + op.length > region_length:
-        raise RemoteAccessError(f"range [{op.remote_offset}, {op.remote_offset + op.length}) outside "
-                                f"remote region of {region_length} bytes; batch rejected")
+            if ftype != T_NOTIFY or count > MAX_DESCS:
+                raise TransferError(f"unexpected frame type {ftype} / {count} descriptors")
+            recv_exact_many(sock, [descs[:count * DESC_SIZE]])
+            checked = check_descs(descs[:count * DESC_SIZE], memory, need_shared=True)
+            self._deliver(checked.imms)
+            self._account(checked, flags, seq)

@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtransfer import auth
 from kvtransfer.base import (ArrivalHandler, EngineStats, ImmediateQueue, Memory, PeerId,
                              TransferEngine, WriteCompletion, WriteHandle, WriteOp)
@@ -29,8 +31,8 @@ from kvtransfer.config import EngineConfig
 from kvtransfer.endpoint import (EndpointId, EndpointInfo, MemoryRegion, TransportAddress,
                                  local_host_id)
 from kvtransfer.errors import AuthError, KVTransferError, PeerLostError, RemoteAccessError, TransferError
-from kvtransfer.frame import (HEADER_SIZE, Frame, FrameType, WireStatus, recv_exact,
-                              unpack_frame)
+from kvtransfer.frame import (D_END_BATCH, F_ACK_REQ, F_FLUSH, HEADER, HEADER_SIZE, MAGIC, T_ACK, VERSION,
+                              CheckedDescs, Frame, FrameType, WireStatus, imm_runs)
 from kvtransfer.memory import MemoryTable, check_bounds
 from kvtransfer.tracker import CompletionTracker, EngineCounters
 
@@ -117,6 +119,8 @@ class InboundConnection(abc.ABC):
                  after_auth: Callable[[socket.socket], None] | None = None) -> None:
         self.sock = sock
         self._shared, self._after_auth = shared, after_auth
+        self._acks: list[bytes] = []
+        self._part_error = self._part_rejected = 0   # of the batch part in progress
         self.closing = False
         self.source = ""
 
@@ -143,21 +147,38 @@ class InboundConnection(abc.ABC):
     def _serve(self) -> None:
         """Read frames until BYE (return) or failure (raise)."""
 
-    def _deliver(self, imms: list[int]) -> None:
-        """Hand immediates to ``arrivals``, one call per run of equal values."""
+    def _deliver(self, imms: np.ndarray) -> None:
+        """Hand immediates (``uint32`` array, wire order) to ``arrivals``, one call per run of equal values."""
         on_immediate, source = self._shared.arrivals.on_immediate, self.source
-        i = 0
-        while i < len(imms):
-            j = i + 1
-            while j < len(imms) and imms[j] == imms[i]:
-                j += 1
-            on_immediate(imms[i], source, j - i)
-            i = j
+        for imm, count in imm_runs(imms):
+            on_immediate(imm, source, count)
 
-    def _end_batch(self, seq: int, first_error: int, rejected: int, received: int, nbytes: int) -> None:
-        """Account a batch part and answer its ACK_REQ frame."""
-        self._shared.counters.add(writes_received=received, bytes_received=nbytes, writes_rejected=rejected)
-        self.sock.sendall(Frame(FrameType.ACK, seq=seq, status=WireStatus(first_error), length=rejected).pack())
+    def _account(self, checked: CheckedDescs, flags: int, seq: int) -> None:
+        """Count one frame's writes; queue an ACK for every batch part ending in it (``seq``,
+        ``seq + 1``, ...); send the queued ACKs when the frame has FLUSH (see
+        :mod:`kvtransfer.frame`). A part may span frames: its rejections carry over."""
+        n = len(checked.descs)
+        self._shared.counters.add(writes_received=n - checked.rejected, bytes_received=checked.nbytes,
+                                  writes_rejected=checked.rejected)
+        ends = np.flatnonzero(checked.descs["flags"] & D_END_BATCH).tolist()
+        if bool(ends) != bool(flags & F_ACK_REQ):
+            raise TransferError("frame's ACK_REQ flag disagrees with its END_BATCH descriptors")
+        start = 0
+        for i, end in enumerate(ends + [n - 1]):
+            if checked.rejected and start <= end:
+                segment = checked.status[start:end + 1]
+                bad = np.flatnonzero(segment)
+                if len(bad):
+                    self._part_error = self._part_error or int(segment[bad[0]])
+                    self._part_rejected += len(bad)
+            if i < len(ends):
+                self._acks.append(HEADER.pack(MAGIC, VERSION, T_ACK, 0, self._part_error, 0, 0, 0,
+                                              self._part_rejected, seq + i))
+                self._part_error = self._part_rejected = 0
+            start = end + 1
+        if flags & F_FLUSH and self._acks:
+            self.sock.sendall(b"".join(self._acks))
+            self._acks.clear()
 
     def shutdown(self) -> None:
         self.closing = True
@@ -174,13 +195,18 @@ def status_error(status: WireStatus, rejected: int) -> RemoteAccessError:
 class OutboundStream:
     """One writer connection: a tx thread draining a work queue, an ack thread completing handles.
 
-    ``send_batch(sock, ops, seq)`` transmits one batch part, flagging its last frame ACK_REQ/``seq``.
+    ``send_batches(sock, batches)`` transmits batch parts ``[(ops, seq), ...]`` back to back,
+    flagging each part's last frame ACK_REQ/``seq`` and the very last frame FLUSH. The tx thread
+    hands it everything already queued (up to ``MERGE_BYTES``), so a writer that posts faster than
+    the wire drains pays one wake-up and one ACK round trip per group rather than per batch.
     """
 
+    MERGE_BYTES = 16 << 20
+
     def __init__(self, sock: socket.socket, name: str, shared: Shared, peer: str, threads: ThreadGroup,
-                 send_batch: Callable[[socket.socket, Sequence[WriteOp], int], None]) -> None:
-        self.sock, self._shared, self._peer, self._send_batch = sock, shared, peer, send_batch
-        self._queue: queue.SimpleQueue[tuple[WriteHandle, Sequence[WriteOp]] | None] = queue.SimpleQueue()
+                 send_batches: Callable[[socket.socket, list[tuple[Sequence[WriteOp], int]]], None]) -> None:
+        self.sock, self._shared, self._peer, self._send_batches = sock, shared, peer, send_batches
+        self._queue: queue.SimpleQueue[tuple[WriteHandle, Sequence[WriteOp], int] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._outstanding: dict[int, WriteHandle] = {}
         self._seq = itertools.count(1)
@@ -188,20 +214,40 @@ class OutboundStream:
         self._tx = threads.start(f"{name}-tx", self._run_tx)
         self._ack = threads.start(f"{name}-ack", self._run_ack)
 
-    def submit(self, handle: WriteHandle, ops: Sequence[WriteOp]) -> None:
-        self._queue.put((handle, ops))
+    def submit(self, handle: WriteHandle, ops: Sequence[WriteOp], nbytes: int) -> None:
+        self._queue.put((handle, ops, nbytes))
+
+    def _take_group(self, first: tuple[WriteHandle, Sequence[WriteOp], int]) -> tuple[list, bool]:
+        """``first`` and whatever else is queued now (up to ``MERGE_BYTES``); True once the
+        stop marker was taken."""
+        group, nbytes = [first], first[2]
+        while nbytes < self.MERGE_BYTES:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return group, True
+            group.append(item)
+            nbytes += item[2]
+        return group, False
 
     def _run_tx(self) -> None:
-        while (item := self._queue.get()) is not None:
-            handle, ops = item
+        stop = False
+        while not stop and (item := self._queue.get()) is not None:
+            group, stop = self._take_group(item)
             if self.broken is not None:
-                self._shared.tracker.part_done(handle, self.broken)
+                for handle, _, _ in group:
+                    self._shared.tracker.part_done(handle, self.broken)
                 continue
-            seq = next(self._seq)
+            batches = []
             with self._lock:
-                self._outstanding[seq] = handle
+                for handle, ops, _ in group:
+                    seq = next(self._seq)
+                    self._outstanding[seq] = handle
+                    batches.append((ops, seq))
             try:
-                self._send_batch(self.sock, ops, seq)
+                self._send_batches(self.sock, batches)
             except (OSError, KVTransferError) as exc:
                 self._break(PeerLostError(f"send to {self._peer} failed: {exc}"))
         try:
@@ -212,18 +258,35 @@ class OutboundStream:
             pass
 
     def _run_ack(self) -> None:
-        hdr = memoryview(bytearray(HEADER_SIZE))
+        buf = bytearray(HEADER_SIZE * 256)
+        view = memoryview(buf)
+        end = 0
+        tracker = self._shared.tracker
         try:
-            while recv_exact(self.sock, hdr):
-                frame = unpack_frame(hdr)
-                with self._lock:
-                    handle = self._outstanding.pop(frame.seq, None)
-                if frame.type != FrameType.ACK or handle is None:
-                    raise TransferError(f"unexpected {frame.type.name} frame seq {frame.seq}")
-                error = None if frame.status == WireStatus.OK else status_error(frame.status, frame.length)
-                self._shared.tracker.part_done(handle, error)
+            while True:
+                n = self.sock.recv_into(view[end:])
+                if n == 0:
+                    break
+                end += n
+                whole = end - end % HEADER_SIZE
+                done = []
+                try:
+                    for start in range(0, whole, HEADER_SIZE):
+                        magic, version, ftype, _, status, _, _, _, rejected, seq = HEADER.unpack_from(buf, start)
+                        if magic != MAGIC or version != VERSION or ftype != T_ACK:
+                            raise TransferError(f"unexpected frame (type {ftype}, version {version}) on the ack stream")
+                        with self._lock:
+                            handle = self._outstanding.pop(seq, None)
+                        if handle is None:
+                            raise TransferError(f"ACK for unknown seq {seq}")
+                        error = None if status == WireStatus.OK else status_error(WireStatus(status), rejected)
+                        done.append((handle, error))
+                finally:   # complete what was acked even when a later frame is bad
+                    tracker.parts_done(done)
+                view[:end - whole] = view[whole:end]
+                end -= whole
             self._break(PeerLostError(f"peer {self._peer} closed the connection"))
-        except (OSError, KVTransferError) as exc:
+        except (OSError, ValueError, KVTransferError) as exc:
             self._break(PeerLostError(f"peer {self._peer}: {exc}"))
 
     def _break(self, error: KVTransferError) -> None:
@@ -266,7 +329,14 @@ def split_by_bytes(ops: Sequence[WriteOp], parts: int) -> list[list[WriteOp]]:
 
 class SoftwareEngine(TransferEngine):
     """Base of tcp and shm: memory table, peers, tracker, threads. Subclasses supply the
-    transport: :meth:`_transport` (what ``describe`` advertises) and :meth:`_open_peer`."""
+    transport: :meth:`_transport` (what ``describe`` advertises) and :meth:`_open_peer`.
+
+    A batch of at least ``STRIPE_MIN_BYTES`` is striped over the peer's streams by bytes; a
+    smaller one (a layer of a short prompt's KV) goes whole to the next stream in turn: striping
+    it would cost more in per-part work than parallel streams gain.
+    """
+
+    STRIPE_MIN_BYTES = 1 << 20
 
     def __init__(self, config: EngineConfig, arrivals: ArrivalHandler | None = None,
                  shared: Shared | None = None) -> None:
@@ -278,6 +348,7 @@ class SoftwareEngine(TransferEngine):
         self._inbound: set[InboundConnection] = set()
         self._peer_ids = itertools.count(1)
         self._conn_ids = itertools.count(1)
+        self._next_stream = itertools.count()
         self._closed = False
         self._listener: Listener | None = None
 
@@ -321,17 +392,7 @@ class SoftwareEngine(TransferEngine):
 
     def post_writes(self, peer: PeerId, ops: Sequence[WriteOp]) -> WriteHandle:
         state = self._peer(peer)
-        local_lengths: dict[int, int] = {}
-        for op in ops:
-            length = local_lengths.get(op.local.key)
-            if length is None:
-                reg = self._s.memory.get(op.local.key)
-                if reg is None:
-                    raise RemoteAccessError(f"local region key {op.local.key:#x} is not registered")
-                length = local_lengths[op.local.key] = reg.region.length
-            if op.local_offset < 0 or op.length <= 0 or op.local_offset + op.length > length:
-                check_bounds(self._s.memory.get(op.local.key).region, op.local_offset, op.length)
-        nbytes = sum(op.length for op in ops)
+        nbytes = self._check_local(ops)
         rejected = self._check_remote(state, ops)
         if rejected is not None:
             self._s.counters.add(writes_rejected=len(ops))
@@ -341,12 +402,34 @@ class SoftwareEngine(TransferEngine):
         live = [s for s in state.streams if s.broken is None]
         if not live:
             raise PeerLostError(f"peer {peer} is lost")
+        self._s.counters.add(writes_posted=len(ops), bytes_posted=nbytes)
+        if not ops:
+            return self._s.tracker.new(peer, 0, 0, 0)
+        if len(live) == 1 or nbytes < self.STRIPE_MIN_BYTES:
+            handle = self._s.tracker.new(peer, 1, len(ops), nbytes)
+            live[next(self._next_stream) % len(live)].submit(handle, ops, nbytes)
+            return handle
         parts = split_by_bytes(ops, len(live))
         handle = self._s.tracker.new(peer, len(parts), len(ops), nbytes)
-        self._s.counters.add(writes_posted=len(ops), bytes_posted=nbytes)
         for stream, part in zip(live, parts):
-            stream.submit(handle, part)
+            stream.submit(handle, part, sum(op.length for op in part))
         return handle
+
+    def _check_local(self, ops: Sequence[WriteOp]) -> int:
+        """Total bytes of ``ops``; ``RemoteAccessError`` if a local region is not registered or
+        a local range leaves it (nothing is posted then)."""
+        nbytes, key, length = 0, None, 0
+        for op in ops:
+            if op.local.key != key:
+                reg = self._s.memory.get(op.local.key)
+                if reg is None:
+                    raise RemoteAccessError(f"local region key {op.local.key:#x} is not registered")
+                key, length = op.local.key, reg.region.length
+            offset, n = op.local_offset, op.length
+            if offset < 0 or n <= 0 or offset + n > length:
+                check_bounds(reg.region, offset, n)
+            nbytes += n
+        return nbytes
 
     def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
         """Writer-side check of remote keys and ranges (shm); the error fails the whole batch

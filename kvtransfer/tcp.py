@@ -24,9 +24,8 @@ from kvtransfer.base import ArrivalHandler, WriteOp
 from kvtransfer.config import EngineConfig
 from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind
 from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
-from kvtransfer.frame import (DESC, DESC_SIZE, F_ACK_REQ, F_HAS_IMM, HEADER, HEADER_SIZE, MAGIC, MAX_DESCS,
-                              T_BYE, T_WRITE, VERSION, WireStatus, recv_exact, recv_exact_many,
-                              send_parts)
+from kvtransfer.frame import (DESC_SIZE, HEADER, HEADER_SIZE, MAGIC, MAX_DESCS, T_BYE, T_WRITE, VERSION,
+                              check_descs, group_frames, recv_exact, recv_exact_many, send_parts)
 from kvtransfer.memory import ViewCache
 from kvtransfer.software import InboundConnection, OutboundStream, Shared, SoftwareEngine
 
@@ -81,7 +80,7 @@ class TcpEngine(SoftwareEngine):
             for i in range(self._s.config.streams_per_peer):
                 sock = self._dial(addr)
                 streams.append(OutboundStream(sock, f"kv-tcp-{tag}-{i}", self._s, tag, self._threads,
-                                              self._send_batch))
+                                              self._send_batches))
         except (TransferError, OSError) as exc:
             for stream in streams:
                 stream.close(self._s.config.close_timeout_s)
@@ -102,26 +101,23 @@ class TcpEngine(SoftwareEngine):
             sock.close()
             raise
 
-    def _send_batch(self, sock: socket.socket, ops: Sequence[WriteOp], seq: int) -> None:
+    def _send_batches(self, sock: socket.socket, batches: list[tuple[Sequence[WriteOp], int]]) -> None:
         local = ViewCache(self._s.memory)
-        for start in range(0, len(ops), MAX_DESCS):
-            chunk = ops[start:start + MAX_DESCS]
-            last = start + MAX_DESCS >= len(ops)
-            header = HEADER.pack(MAGIC, VERSION, T_WRITE, F_ACK_REQ if last else 0, 0, 0, 0, 0,
-                                 len(chunk), seq if last else 0)
-            descs = b"".join(DESC.pack(op.remote_key, op.imm or 0, op.remote_offset, op.length,
-                                       F_HAS_IMM if op.imm is not None else 0) for op in chunk)
+        parts: list = []
+        for frame, ops in group_frames(T_WRITE, batches):
+            parts.append(frame)
             try:
-                payloads = [local.slice(op.local.key, op.local_offset, op.length) for op in chunk]
+                parts += [local.slice(op.local.key, op.local_offset, op.length) for op in ops]
             except RemoteAccessError:
                 raise TransferError("a local region was deregistered during a write")
-            send_parts(sock, [header, descs, *payloads])
+        send_parts(sock, parts)
 
 
 class _TcpInbound(InboundConnection):
-    """Frame loop of the tcp receiver: a WRITE frame's descriptors are checked, then all its
-    payloads are read with scatter ``recvmsg_into`` straight into the registered buffer (rejected
-    ones into a scratch buffer); immediates are delivered after the whole frame is in place."""
+    """Frame loop of the tcp receiver: a WRITE frame's descriptors are checked (vectorised, see
+    :func:`~kvtransfer.frame.check_descs`), then all its payloads are read with scatter
+    ``recvmsg_into`` straight into the registered buffer (rejected ones into a scratch buffer);
+    immediates are delivered after the whole frame is in place."""
 
     def _serve(self) -> None:
         sock, memory = self.sock, self._shared.memory
@@ -129,7 +125,6 @@ class _TcpInbound(InboundConnection):
         descs = memoryview(bytearray(DESC_SIZE * MAX_DESCS))
         scratch = memoryview(bytearray(_SCRATCH_BYTES))
         views: dict[int, tuple[object, memoryview]] = {}
-        first_error = rejected = received = nbytes = 0
         while True:
             if not recv_exact(sock, hdr):
                 raise PeerLostError("connection closed without BYE")
@@ -141,27 +136,24 @@ class _TcpInbound(InboundConnection):
             if ftype != T_WRITE or count > MAX_DESCS:
                 raise TransferError(f"unexpected frame type {ftype} / {count} descriptors")
             recv_exact_many(sock, [descs[:count * DESC_SIZE]])
-            targets, imms = [], []
-            for key, imm, offset, length, dflags in DESC.iter_unpack(descs[:count * DESC_SIZE]):
-                reg = memory.get(key)
-                status = (WireStatus.BAD_KEY if reg is None else WireStatus.OUT_OF_BOUNDS
-                          if length == 0 or offset + length > reg.region.length else WireStatus.OK)
-                if status == WireStatus.OK:
-                    cached = views.get(key)
-                    if cached is None or cached[0] is not reg:
-                        cached = views[key] = (reg, memoryview(reg.view))
-                    targets.append(cached[1][offset:offset + length])
-                    received += 1
-                    nbytes += length
-                    if dflags & F_HAS_IMM:
-                        imms.append(imm)
-                else:
-                    for start in range(0, length, _SCRATCH_BYTES):
-                        targets.append(scratch[:min(_SCRATCH_BYTES, length - start)])
-                    rejected += 1
-                    first_error = first_error or status
+            checked = check_descs(descs[:count * DESC_SIZE], memory)
+            for key, reg in checked.regs.items():
+                cached = views.get(key)
+                if cached is None or cached[0] is not reg:
+                    views[key] = (reg, memoryview(reg.view))
+            keys = checked.descs["key"].tolist()
+            offsets, lengths = checked.descs["offset"].tolist(), checked.descs["length"].tolist()
+            if not checked.rejected and len(checked.regs) == 1:
+                view = views[keys[0]][1]
+                targets = [view[o:o + n] for o, n in zip(offsets, lengths)]
+            else:
+                targets = []
+                for st, key, offset, length in zip(checked.status.tolist(), keys, offsets, lengths):
+                    if st == 0:
+                        targets.append(views[key][1][offset:offset + length])
+                    else:   # a rejected payload is read into scratch and dropped
+                        targets += [scratch[:min(_SCRATCH_BYTES, length - start)]
+                                    for start in range(0, length, _SCRATCH_BYTES)]
             recv_exact_many(sock, targets)
-            self._deliver(imms)
-            if flags & F_ACK_REQ:
-                self._end_batch(seq, first_error, rejected, received, nbytes)
-                first_error = rejected = received = nbytes = 0
+            self._deliver(checked.imms)
+            self._account(checked, flags, seq)

@@ -39,15 +39,21 @@ class CompletionTracker:
             return handle
 
     def part_done(self, handle: int, error: KVTransferError | None = None) -> None:
+        self.parts_done([(handle, error)])
+
+    def parts_done(self, done: list[tuple[int, KVTransferError | None]]) -> None:
+        """Report several parts at once (one lock round and one wake-up for a run of ACKs)."""
         with self._cond:
-            p = self._pending.get(handle)
-            if p is None:
-                return
-            p.parts -= 1
-            if error is not None and p.error is None:
-                p.error = error
-            if p.parts <= 0:
-                self._finish(handle)
+            for handle, error in done:
+                p = self._pending.get(handle)
+                if p is None:
+                    continue
+                p.parts -= 1
+                if error is not None and p.error is None:
+                    p.error = error
+                if p.parts <= 0:
+                    self._finish(handle, notify=False)
+            self._cond.notify_all()
 
     def fail(self, handle: int, error: KVTransferError) -> None:
         with self._cond:
@@ -87,11 +93,12 @@ class CompletionTracker:
             raise completion.error
         return completion
 
-    def _finish(self, handle: int) -> None:
+    def _finish(self, handle: int, notify: bool = True) -> None:
         p = self._pending.pop(handle)
         status = WriteStatus.FAILED if p.error else WriteStatus.OK
         self._done[handle] = WriteCompletion(WriteHandle(handle), status, p.num_writes, p.nbytes, p.error)
-        self._cond.notify_all()
+        if notify:
+            self._cond.notify_all()
 
 
 class EngineCounters:

@@ -232,3 +232,70 @@ def test_writer_killed_mid_transfer_fails_slot_within_deadline(engine_name, rece
     if attributed:
         assert kind == "PeerLostError" and elapsed < 5.0, (kind, elapsed)
     receiver.call("release", slot, gen)
+
+
+def test_grouped_parts_are_acked_each_with_its_own_status():
+    """A writer's group of three batch parts sent back to back (two frames; the middle part spans
+    both and has one write out of bounds) gets one ACK per part, in order, each with its own
+    status; the good writes land, the bad one nowhere. Driven by a raw client speaking the wire
+    format to a real tcp receiver, so the grouping is deterministic."""
+    from kvtransfer import ImmediateQueue, MemoryRegion, auth
+    from kvtransfer.frame import HEADER, HEADER_SIZE, MAX_DESCS, T_ACK, T_WRITE, WireStatus, group_frames
+    arrivals = ImmediateQueue()
+    pool = torch.zeros(1 << 20, dtype=torch.uint8)
+    src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+    with create_engine("tcp", EngineConfig(secret=SECRET), arrivals=arrivals) as rx:
+        key = rx.register_memory(pool).key
+        local = MemoryRegion(src.data_ptr(), src.numel(), 1)
+        part5 = [WriteOp(local, i * 64, key, i * 64, 64, 0x105) for i in range(2)]
+        part6 = [WriteOp(local, 4096 + i * 64, key, 4096 + i * 64, 64, 0x106) for i in range(MAX_DESCS + 10)]
+        part6.insert(MAX_DESCS + 5, WriteOp(local, 0, key, pool.numel() - 10, 64, 0x106))   # in frame 2
+        part7 = [WriteOp(local, 1 << 19, key, 1 << 19, 4096, 0x107)]
+        addr = rx.describe().transport(TransportKind.TCP)
+        with socket.create_connection((addr.host, addr.port), timeout=30) as sock:
+            auth.client_handshake(sock, SECRET, "raw-writer")
+            frames = group_frames(T_WRITE, [(part5, 5), (part6, 6), (part7, 7)])
+            assert len(frames) == 2
+            for frame, ops in frames:
+                sock.sendall(frame + b"".join(src[op.local_offset:op.local_offset + op.length].numpy().tobytes()
+                                              for op in ops))
+            acks = b""
+            while len(acks) < 3 * HEADER_SIZE:
+                chunk = sock.recv(3 * HEADER_SIZE - len(acks))
+                assert chunk, "receiver closed before acking"
+                acks += chunk
+            got = [HEADER.unpack_from(acks, i * HEADER_SIZE) for i in range(3)]
+            assert [(a[2], a[9], a[4], a[8]) for a in got] == [
+                (T_ACK, 5, WireStatus.OK, 0), (T_ACK, 6, WireStatus.OUT_OF_BOUNDS, 1), (T_ACK, 7, WireStatus.OK, 0)]
+            sock.sendall(Frame(FrameType.BYE).pack())
+        good = part5 + [op for op in part6 if op.remote_offset < pool.numel() - 10] + part7
+        for op in good:
+            assert torch.equal(pool[op.remote_offset:op.remote_offset + op.length],
+                               src[op.local_offset:op.local_offset + op.length])
+        assert not pool[pool.numel() - 10:].any()
+        imms = [arrivals.immediates.get(timeout=5)[0] for _ in range(len(good))]
+        assert imms == [op.imm for op in good] and arrivals.immediates.empty()
+        assert rx.stats().writes_rejected == 1 and rx.stats().writes_received == len(good)
+
+
+def test_failed_batch_among_queued_batches_fails_alone(writer, receiver):
+    """Forty batches posted without waiting (the tx thread sends what is queued as groups); the
+    one with an out-of-bounds write fails, every other completes and its bytes land."""
+    engine, pool, local, peer, info = writer
+    key, length = info.regions[0].key, info.regions[0].length
+    receiver.call("zero")
+    src = pool.view(torch.uint8).view(-1)
+    batches = [[WriteOp(local, (b * 8 + i) * 4096, key, (b * 8 + i) * 4096, 4096) for i in range(8)]
+               for b in range(40)]
+    batches[17] = batches[17][:4] + [WriteOp(local, 0, key, length - 100, 4096)] + batches[17][4:]
+    handles = [engine.post_writes(peer, ops) for ops in batches]
+    for b, h in enumerate(handles):
+        if b == 17:
+            with pytest.raises(RemoteAccessError):
+                engine.wait(h, 60)
+        else:
+            assert engine.wait(h, 60).num_writes == 8
+    for b in (0, 16, 18, 39):
+        start = b * 8 * 4096
+        assert receiver.call("bytes_digest", start, 8 * 4096) == __import__("hashlib").sha256(
+            src[start:start + 8 * 4096].numpy().tobytes()).hexdigest()
