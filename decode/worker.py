@@ -38,6 +38,7 @@ from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
 from kvtransfer import CompletionCounter, KVTransferError, PeerLostError, TransferError, TransferTimeout
+from worker.gate import StepGate
 from worker.runtime import WorkerResources
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class DecodeWorker:
         self.gen = Generator(res.loaded.model, res.pool, None,
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens))
-        self._lock = threading.Condition()
+        self._lock = StepGate()   # the loop holds it per step and lets RPC threads in between
         self._reservations: dict[str, Reservation] = {}
         # (expiry, blocks, writers that may still write into them)
         self._quarantine: list[tuple[float, list[BlockId], set[str]]] = []
@@ -332,3 +333,4 @@ class DecodeWorker:
                     r = self._reservations.get(out.request_id)
                     if r is not None:
                         self._finish(r, out)
+            self._lock.yield_to_waiters()   # RPCs (Abort, load, Stats) go before the next step
