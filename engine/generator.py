@@ -20,8 +20,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence as Seq
 
-import torch
-
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError

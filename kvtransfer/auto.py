@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 from kvtransfer.base import (ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine,
                              WriteCompletion, WriteHandle, WriteOp)
 from kvtransfer.config import EngineConfig
+from kvtransfer.connection import Shared
 from kvtransfer.endpoint import EndpointInfo, MemoryRegion, local_host_id
 from kvtransfer.errors import TransferError
 from kvtransfer.shm import ShmEngine
-from kvtransfer.software import Shared
 
 log = logging.getLogger(__name__)
 

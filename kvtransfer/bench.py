@@ -87,6 +87,7 @@ def shapes(quick: bool, pool_bytes: int) -> list[Shape]:
 
 
 def timed(fn: Callable[[], None], iters: int, warmup: int = 1) -> list[float]:
+    """Seconds taken by each of ``iters`` calls of ``fn``, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     out = []

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kvtransfer.bench import timed
+
 NIXL_CONFIGS = {"nixl-tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "nixl-local": {}}
 _POLL_S = 0.0001
 _MOONCAKE_BATCH = 128   # its batch descriptors are bounded; larger batches return -1
@@ -67,7 +69,7 @@ def _nixl_writer(conn: Any, env: dict[str, str], nbytes: int, meta: bytes, dst: 
                     if state == "ERR":
                         raise RuntimeError("nixl transfer failed")
                     time.sleep(_POLL_S)
-        out[name] = _timed(once, iters)
+        out[name] = timed(once, iters)
         for h in handles:
             agent.release_xfer_handle(h)
     conn.send(out)
@@ -108,18 +110,8 @@ def _mooncake_writer(conn: Any, env: dict[str, str], nbytes: int, session: bytes
                                                           [dst + d for _, d, _ in part], [n for _, _, n in part])
                     if rc != 0:
                         raise RuntimeError(f"mooncake batch write returned {rc}")
-        out[name] = _timed(once, iters)
+        out[name] = timed(once, iters)
     conn.send(out)
-
-
-def _timed(fn: Callable[[], None], iters: int) -> list[float]:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _guard(target: Callable[..., None], conn: Any, *args: Any) -> None:

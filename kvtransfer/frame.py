@@ -77,7 +77,7 @@ class FrameFlag(IntFlag):
 
 
 # Plain-int copies for hot loops (IntFlag arithmetic costs microseconds per call).
-F_HAS_IMM, F_ACK_REQ, F_FLUSH = int(FrameFlag.HAS_IMM), int(FrameFlag.ACK_REQ), int(FrameFlag.FLUSH)
+F_ACK_REQ, F_FLUSH = int(FrameFlag.ACK_REQ), int(FrameFlag.FLUSH)
 # Descriptor flags (the ``flags`` field of :data:`DESC`).
 D_HAS_IMM, D_END_BATCH = 1, 2
 T_WRITE, T_NOTIFY, T_ACK, T_BYE = (int(t) for t in FrameType)

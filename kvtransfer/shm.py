@@ -29,13 +29,12 @@ import torch
 from kvtransfer import auth
 from kvtransfer.base import ArrivalHandler, WriteOp
 from kvtransfer.config import EngineConfig
+from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind, local_host_id
-from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
-from kvtransfer.frame import (DESC_SIZE, HEADER, HEADER_SIZE, MAGIC, MAX_DESCS, T_BYE, T_NOTIFY, VERSION,
-                              check_descs, group_frames, recv_exact, recv_exact_many)
+from kvtransfer.errors import AuthError, RemoteAccessError, TransferError
+from kvtransfer.frame import T_NOTIFY, CheckedDescs, group_frames, recv_exact
 from kvtransfer.memory import ViewCache
-from kvtransfer.software import (InboundConnection, OutboundPeer, OutboundStream, Shared,
-                                 SoftwareEngine)
+from kvtransfer.software import OutboundPeer, SoftwareEngine
 
 _LEN = struct.Struct("!I")
 _MAX_FDS = 64
@@ -221,25 +220,11 @@ class ShmEngine(SoftwareEngine):
 
 
 class _ShmInbound(InboundConnection):
-    """Frame loop of the shm receiver: a NOTIFY frame's descriptors are checked (vectorised, see
-    :func:`~kvtransfer.frame.check_descs`; only shared regions are valid targets) and the
-    immediates of the accepted ones delivered: the bytes are already in place."""
+    """The shm receiver: NOTIFY frames carry no payload (the writer already copied the bytes into
+    the shared mapping), so only shared regions are valid targets and nothing is left to place."""
 
-    def _serve(self) -> None:
-        sock, memory = self.sock, self._shared.memory
-        hdr = memoryview(bytearray(HEADER_SIZE))
-        descs = memoryview(bytearray(DESC_SIZE * MAX_DESCS))
-        while True:
-            if not recv_exact(sock, hdr):
-                raise PeerLostError("connection closed without BYE")
-            magic, version, ftype, flags, _, _, _, _, count, seq = HEADER.unpack(hdr)
-            if magic != MAGIC or version != VERSION:
-                raise TransferError("bad frame header")
-            if ftype == T_BYE:
-                return
-            if ftype != T_NOTIFY or count > MAX_DESCS:
-                raise TransferError(f"unexpected frame type {ftype} / {count} descriptors")
-            recv_exact_many(sock, [descs[:count * DESC_SIZE]])
-            checked = check_descs(descs[:count * DESC_SIZE], memory, need_shared=True)
-            self._deliver(checked.imms)
-            self._account(checked, flags, seq)
+    frame_type = T_NOTIFY
+    need_shared = True
+
+    def _place(self, checked: CheckedDescs) -> None:
+        pass

@@ -22,12 +22,12 @@ from collections.abc import Sequence
 from kvtransfer import auth
 from kvtransfer.base import ArrivalHandler, WriteOp
 from kvtransfer.config import EngineConfig
+from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind
-from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
-from kvtransfer.frame import (DESC_SIZE, HEADER, HEADER_SIZE, MAGIC, MAX_DESCS, T_BYE, T_WRITE, VERSION,
-                              check_descs, group_frames, recv_exact, recv_exact_many, send_parts)
+from kvtransfer.errors import AuthError, RemoteAccessError, TransferError
+from kvtransfer.frame import T_WRITE, CheckedDescs, group_frames, recv_exact_many, send_parts
 from kvtransfer.memory import ViewCache
-from kvtransfer.software import InboundConnection, OutboundStream, Shared, SoftwareEngine
+from kvtransfer.software import SoftwareEngine
 
 _SCRATCH_BYTES = 1 << 20
 
@@ -114,46 +114,34 @@ class TcpEngine(SoftwareEngine):
 
 
 class _TcpInbound(InboundConnection):
-    """Frame loop of the tcp receiver: a WRITE frame's descriptors are checked (vectorised, see
-    :func:`~kvtransfer.frame.check_descs`), then all its payloads are read with scatter
-    ``recvmsg_into`` straight into the registered buffer (rejected ones into a scratch buffer);
-    immediates are delivered after the whole frame is in place."""
+    """The tcp receiver: all payloads of a WRITE frame are read with scatter ``recvmsg_into``
+    straight into the registered buffer, rejected ones into a scratch buffer (dropped);
+    the shared loop delivers the immediates after the whole frame is in place."""
 
-    def _serve(self) -> None:
-        sock, memory = self.sock, self._shared.memory
-        hdr = memoryview(bytearray(HEADER_SIZE))
-        descs = memoryview(bytearray(DESC_SIZE * MAX_DESCS))
-        scratch = memoryview(bytearray(_SCRATCH_BYTES))
-        views: dict[int, tuple[object, memoryview]] = {}
-        while True:
-            if not recv_exact(sock, hdr):
-                raise PeerLostError("connection closed without BYE")
-            magic, version, ftype, flags, _, _, _, _, count, seq = HEADER.unpack(hdr)
-            if magic != MAGIC or version != VERSION:
-                raise TransferError("bad frame header")
-            if ftype == T_BYE:
-                return
-            if ftype != T_WRITE or count > MAX_DESCS:
-                raise TransferError(f"unexpected frame type {ftype} / {count} descriptors")
-            recv_exact_many(sock, [descs[:count * DESC_SIZE]])
-            checked = check_descs(descs[:count * DESC_SIZE], memory)
-            for key, reg in checked.regs.items():
-                cached = views.get(key)
-                if cached is None or cached[0] is not reg:
-                    views[key] = (reg, memoryview(reg.view))
-            keys = checked.descs["key"].tolist()
-            offsets, lengths = checked.descs["offset"].tolist(), checked.descs["length"].tolist()
-            if not checked.rejected and len(checked.regs) == 1:
-                view = views[keys[0]][1]
-                targets = [view[o:o + n] for o, n in zip(offsets, lengths)]
-            else:
-                targets = []
-                for st, key, offset, length in zip(checked.status.tolist(), keys, offsets, lengths):
-                    if st == 0:
-                        targets.append(views[key][1][offset:offset + length])
-                    else:   # a rejected payload is read into scratch and dropped
-                        targets += [scratch[:min(_SCRATCH_BYTES, length - start)]
-                                    for start in range(0, length, _SCRATCH_BYTES)]
-            recv_exact_many(sock, targets)
-            self._deliver(checked.imms)
-            self._account(checked, flags, seq)
+    frame_type = T_WRITE
+
+    def __init__(self, shared: Shared, sock: socket.socket) -> None:
+        super().__init__(shared, sock)
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._views: dict[int, tuple[object, memoryview]] = {}   # key -> (registration, its view)
+
+    def _place(self, checked: CheckedDescs) -> None:
+        views = self._views
+        for key, reg in checked.regs.items():
+            cached = views.get(key)
+            if cached is None or cached[0] is not reg:
+                views[key] = (reg, memoryview(reg.view))
+        keys = checked.descs["key"].tolist()
+        offsets, lengths = checked.descs["offset"].tolist(), checked.descs["length"].tolist()
+        if not checked.rejected and len(checked.regs) == 1:
+            view = views[keys[0]][1]
+            targets = [view[o:o + n] for o, n in zip(offsets, lengths)]
+        else:
+            scratch, targets = self._scratch, []
+            for status, key, offset, length in zip(checked.status.tolist(), keys, offsets, lengths):
+                if status == 0:
+                    targets.append(views[key][1][offset:offset + length])
+                else:   # a rejected payload is read into scratch and dropped
+                    targets += [scratch[:min(_SCRATCH_BYTES, length - start)]
+                                for start in range(0, length, _SCRATCH_BYTES)]
+        recv_exact_many(self.sock, targets)

@@ -35,12 +35,12 @@ import torch
 from kvtransfer import auth
 from kvtransfer.base import ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine, WriteCompletion, WriteHandle, WriteOp
 from kvtransfer.config import EngineConfig
+from kvtransfer.connection import Listener, Shared, ThreadGroup
 from kvtransfer.endpoint import (EndpointInfo, MemoryRegion, TransportAddress, TransportKind,
                                  local_host_id)
 from kvtransfer.errors import (KVTransferError, PeerLostError, RemoteAccessError, TransferError)
 from kvtransfer.frame import recv_exact
 from kvtransfer.immediate import from_network_u32
-from kvtransfer.software import Listener, Shared, ThreadGroup
 from kvtransfer.verbs_support import (IBV_WC_RECV_RDMA_WITH_IMM, QP_INFO_SIZE, QpInfo, import_pyverbs,
                                       init_attrs, list_rdma_devices, rdma_device_available, rtr_attrs,
                                       rts_attrs, write_with_imm)

@@ -3,6 +3,7 @@ helpers to read every worker's Stats over gRPC."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -113,3 +114,19 @@ def assert_pools_full(cluster: Cluster, timeout_s: float = 20.0, num_workers: in
         if time.monotonic() > deadline:
             raise AssertionError(f"KV blocks not back in the pools (free, total, running, waiting): {busy}")
         time.sleep(0.2)
+
+
+def stream_then_disconnect(cluster: Cluster, body: dict, chunks: int = 5) -> int:
+    """POST ``body`` (``stream: true``) to /v1/completions, read ``chunks`` SSE chunks, then close
+    the connection mid-stream; returns the chunks read (fewer if the stream ended first)."""
+    got = 0
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{cluster.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    json.loads(line[6:])
+                    got += 1
+                    if got == chunks:
+                        break  # leaving the block closes the connection mid-stream
+    return got

@@ -5,7 +5,6 @@ later requests' greedy output must still equal the single-process engine's."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import httpx

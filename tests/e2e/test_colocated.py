@@ -6,7 +6,6 @@ client disconnects free every KV block, and workers are pinned to the CPUs asked
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import assert_pools_full, openai_client, start_cluster, stop_cluster
+from tests.e2e.conftest import (assert_pools_full, openai_client, start_cluster, stop_cluster,
+                                stream_then_disconnect)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -132,16 +132,7 @@ def test_stop_string_cuts_text_and_frees_blocks(cluster, reference, tokenizer):
 def test_client_disconnect_mid_stream_frees_blocks(cluster, prompt):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2000, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    got = 0
-    with httpx.Client(timeout=120) as http:
-        with http.stream("POST", f"{cluster.url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    json.loads(line[6:])
-                    got += 1
-                    if got == 5:
-                        break  # leaving the block closes the connection mid-stream
+    got = stream_then_disconnect(cluster, body, chunks=5)
     assert got == 5
     assert_pools_full(cluster, timeout_s=30)
 

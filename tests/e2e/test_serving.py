@@ -4,14 +4,13 @@ right, concurrency, stop strings, bad requests, client disconnects, and every KV
 
 from __future__ import annotations
 
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import assert_pools_full, openai_client, worker_stats
+from tests.e2e.conftest import assert_pools_full, openai_client, stream_then_disconnect, worker_stats
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -167,16 +166,7 @@ def test_bad_requests_get_4xx_and_do_not_disturb_a_good_one(cluster, reference, 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(cluster):
     body = {"model": MODEL, "prompt": "Write a long essay about the history of Rome.",
             "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
-    got = 0
-    with httpx.Client(timeout=120) as http:
-        with http.stream("POST", f"{cluster.url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    json.loads(line[6:])
-                    got += 1
-                    if got == 5:
-                        break  # leaving the block closes the connection mid-stream
+    got = stream_then_disconnect(cluster, body, chunks=5)
     assert got == 5
     assert_pools_full(cluster, timeout_s=30)
     aborted = sum(s.counters.get("requests_aborted", 0) for role, s in worker_stats(cluster).values()

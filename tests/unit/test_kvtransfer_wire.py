@@ -76,10 +76,10 @@ def test_config_validation():
 
 
 def test_write_descriptor_layout():
-    from kvtransfer.frame import DESC, DESC_SIZE, F_HAS_IMM
-    raw = DESC.pack(0xAABBCCDD, 0x01020304, 1 << 33, 12288, F_HAS_IMM)
+    from kvtransfer.frame import D_HAS_IMM, DESC, DESC_SIZE
+    raw = DESC.pack(0xAABBCCDD, 0x01020304, 1 << 33, 12288, D_HAS_IMM)
     assert DESC_SIZE == 28 and raw[:8] == b"\xaa\xbb\xcc\xdd\x01\x02\x03\x04"
-    assert list(DESC.iter_unpack(raw * 2)) == [(0xAABBCCDD, 0x01020304, 1 << 33, 12288, F_HAS_IMM)] * 2
+    assert list(DESC.iter_unpack(raw * 2)) == [(0xAABBCCDD, 0x01020304, 1 << 33, 12288, D_HAS_IMM)] * 2
 
 
 def _ops(n: int, imm: int) -> list:
