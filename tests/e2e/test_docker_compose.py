@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.require import unavailable
+
 httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -69,14 +71,14 @@ def _free_port() -> int:
 def docker_env():
     """Environment (DOCKER_HOST, DOCKER_CONFIG) of a running private engine with compose."""
     if os.geteuid() != 0:
-        pytest.skip("needs root: starts its own dockerd")
+        unavailable("docker", "needs root: starts its own dockerd")
     env = dict(os.environ, PYTHON=sys.executable)
     ours = subprocess.run(["bash", str(HELPERS / "dockerd.sh"), "status"], env=env).returncode != 0
     t0 = time.monotonic()
     proc = subprocess.run(["bash", str(HELPERS / "dockerd.sh"), "start"], env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        pytest.skip(f"no Docker engine could be started: {proc.stderr.strip()[-1500:]}")
+        unavailable("docker", f"no Docker engine could be started: {proc.stderr.strip()[-1500:]}")
     TIMINGS["dockerd start"] = time.monotonic() - t0
     env["DOCKER_HOST"] = proc.stdout.strip().splitlines()[-1]
     try:

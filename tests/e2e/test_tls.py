@@ -10,6 +10,8 @@ import grpc
 import httpx
 import pytest
 
+from tests.require import unavailable
+
 from deploy.launcher import Cluster, LauncherConfig
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pbg
@@ -20,7 +22,7 @@ pytestmark = [pytest.mark.e2e]
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed (needed to make a test certificate)")
+        unavailable("openssl", "openssl is not installed (needed to make a test certificate)")
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=pdserve-test", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",

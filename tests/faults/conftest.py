@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.netlab import Host, NetLab, NetLabUnavailable, wait_for
+from tests.require import unavailable
 
 HTTP_PORT, REGISTRY_PORT, WORKER_PORT, TRANSFER_PORT = 8000, 50050, 50051, 50061
 ROUTER_FLAGS = ("--dead-after-s", "3", "--heartbeat-interval-s", "0.5", "--max-attempts", "4",
@@ -97,7 +98,7 @@ def fault_cluster(tmp_path_factory):
     try:
         lab = NetLab("pdf")
     except NetLabUnavailable as exc:
-        pytest.skip(f"network namespaces unavailable: {exc}")
+        unavailable("netns", f"network namespaces unavailable: {exc}")
     cluster = FaultCluster(lab, logs)
     try:
         cluster.router_host = lab.add_host("router")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig, SchedulerConfig
 from engine.generator import Generator
 from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
+from tests.require import unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -108,7 +110,7 @@ def test_preemption_keeps_greedy_output(smollm, reference):
 def test_cuda_engine_matches_cpu_greedy(smollm, reference):
     """The same engine with weights and KV pool on a GPU gives the CPU's greedy tokens."""
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: torch.cuda.is_available() is False on this machine")
+        unavailable("cuda", "no CUDA device: torch.cuda.is_available() is False on this machine")
     from engine.loader import build_generator, load_model
 
     prompts, expected = reference
