@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from decode.service import DecodeService
 from decode.worker import DecodeArrivals, DecodeWorker
-from kvtransfer import CompletionCounter
 from worker.config import WorkerConfig
 from worker.runtime import WorkerServer, build_resources
 
-NUM_TRANSFER_SLOTS = 1024
+NUM_TRANSFER_SLOTS = 4096
 
 
 def build_decode_server(config: WorkerConfig, loaded=None) -> WorkerServer:
     """A ready-to-start decode `WorkerServer` (``loaded`` lets tests share one loaded model)."""
-    arrivals = DecodeArrivals(CompletionCounter(NUM_TRANSFER_SLOTS))
+    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
     res = build_resources(config, arrivals=arrivals, loaded=loaded)
     worker = DecodeWorker(res, arrivals)
     return WorkerServer(res, DecodeService(res, worker))

@@ -1,20 +1,34 @@
-"""gRPC `Decode` service over a `DecodeWorker` (see rpc/pdserve.proto for the contract)."""
+"""gRPC `Decode` service (``grpc.aio``) over a `DecodeWorker`; the contract of each RPC is in
+rpc/pdserve.proto, the exception -> status table in `worker.status`.
+
+Calls that take the worker's lock run in the server's ``decode-ctl`` executor; streams are
+coroutines reading the request's `AsyncSink` (no thread per stream). A stream that ends before
+its request finished (the client cancelled, or went away) aborts the request.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-import grpc
-
-from decode.worker import DecodeWorker, DrainingError, UnknownRequestError
-from engine.errors import CapacityError, InvalidRequestError
-from kvtransfer import EndpointInfo, KVTransferError, PeerLostError, TransferTimeout
+from decode.worker import DecodeWorker
+from engine.generator import StepOutput
+from engine.sequence import FinishReason
+from kvtransfer import EndpointInfo
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from worker.convert import sampling_from_proto
+from worker.liveness import check
 from worker.runtime import WorkerResources
+from worker.sink import AsyncSink
+from worker.status import stream, unary
 
 log = logging.getLogger(__name__)
+
+
+async def _ctl(fn, *args):
+    """Run a lock-taking worker call in the server's executor, off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 class DecodeService(pb_grpc.DecodeServicer):
@@ -25,106 +39,121 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.worker = worker
         self._peers: dict[str, str] = {}  # prefill worker id -> its endpoint id
 
-    def add_to_server(self, server: grpc.Server) -> None:
+    def add_to_server(self, server) -> None:
         pb_grpc.add_DecodeServicer_to_server(self, server)
 
     # -- brokering ------------------------------------------------------------------------------
-    def Describe(self, request, context):
+    def _endpoint(self) -> pb.Endpoint:
         return pb.Endpoint(engine=self.res.transfer.name, description=self.res.transfer.describe().to_bytes())
 
-    def Connect(self, request, context):
+    @unary
+    async def Describe(self, request, context):
+        return self._endpoint()
+
+    @unary
+    async def Connect(self, request, context):
         # Writers connect to us (tcp/shm); we only remember who they are.
         if request.peer_endpoint.description:
-            try:
-                info = EndpointInfo.from_bytes(request.peer_endpoint.description)
-            except KVTransferError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            info = EndpointInfo.from_bytes(request.peer_endpoint.description)   # KVTransferError
             self._peers[request.peer_worker_id] = info.endpoint_id
-        return pb.ConnectResponse(endpoint=self.Describe(None, context))
+        return pb.ConnectResponse(endpoint=self._endpoint())
 
-    def Disconnect(self, request, context):
+    @unary
+    async def Disconnect(self, request, context):
         self._peers.pop(request.peer_worker_id, None)
         return pb.DisconnectResponse()
 
     # -- requests -------------------------------------------------------------------------------
-    def Reserve(self, request, context):
+    @unary
+    async def Reserve(self, request, context):
+        r = await _ctl(self.worker.reserve, request.request_id, request.num_prompt_tokens, request.max_tokens)
+        return pb.ReserveResponse(block_ids=r.blocks, slot=r.slot, generation=r.generation,
+                                  lease_s=self.res.config.transfer_timeout_s)
+
+    @stream
+    async def Decode(self, request, context):
+        params = sampling_from_proto(request.sampling)
+        sink = AsyncSink(asyncio.get_running_loop())
+        await _ctl(self.worker.start_decode, request.request_id, request.first_token, request.num_writes,
+                   list(request.prompt_token_ids), params, sink)
+        async for chunk in self._stream(request.request_id, sink):
+            yield chunk
+
+    @stream
+    async def Generate(self, request, context):
+        params = sampling_from_proto(request.sampling)
+        sink = AsyncSink(asyncio.get_running_loop())
+        await _ctl(self.worker.generate_local, request.request_id, list(request.prompt_token_ids), params, sink)
+        async for chunk in self._stream(request.request_id, sink):
+            yield chunk
+
+    async def _stream(self, request_id: str, sink: AsyncSink):
+        """Token chunks of one request: every output already queued goes in one chunk. Raises
+        the transfer's error; an end before the finish (cancelled) aborts the request."""
+        finished = False
         try:
-            r = self.worker.reserve(request.request_id, request.num_prompt_tokens, request.max_tokens)
-        except CapacityError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DrainingError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except (InvalidRequestError, ValueError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.ReserveResponse(block_ids=r.blocks, slot=r.slot, generation=r.generation)
+            while not finished:
+                outputs = [await sink.get()]
+                while not isinstance(outputs[-1], Exception) and not outputs[-1].finished:
+                    try:
+                        outputs.append(sink.get_nowait())
+                    except asyncio.QueueEmpty:
+                        break
+                chunk, finished = _chunk(outputs)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            if not finished:   # cancelled, or failed: make sure nothing of it stays
+                asyncio.get_running_loop().run_in_executor(None, self.worker.abort, request_id)
 
-    def Decode(self, request, context):
-        rid = request.request_id
-        try:
-            params = sampling_from_proto(request.sampling)
-            r = self.worker.start_decode(rid, request.first_token, request.num_writes,
-                                         list(request.prompt_token_ids), params)
-        except UnknownRequestError:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid}")
-        except InvalidRequestError as exc:
-            self.worker.abort(rid)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except TransferTimeout as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer: {exc}")
-        except PeerLostError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer: {exc}")
-        except KVTransferError as exc:
-            context.abort(grpc.StatusCode.ABORTED, f"KV transfer: {exc}")
-        context.add_callback(lambda: self.worker.abort(rid))  # client gone -> blocks return
-        yield from self._stream(r)
+    @unary
+    async def Abort(self, request, context):
+        return pb.AbortResponse(found=await _ctl(self.worker.abort, request.request_id, request.writer_stopped))
 
-    def Generate(self, request, context):
-        rid = request.request_id
-        try:
-            params = sampling_from_proto(request.sampling)
-            r = self.worker.generate_local(rid, list(request.prompt_token_ids), params)
-        except CapacityError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DrainingError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except (InvalidRequestError, ValueError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        context.add_callback(lambda: self.worker.abort(rid))
-        yield from self._stream(r)
-
-    def _stream(self, r):
-        while True:
-            out = r.outputs.get()
-            reason = out.finish_reason.value if out.finish_reason is not None else ""
-            yield pb.TokenChunk(token_ids=out.new_token_ids, finish_reason=reason)
-            if out.finished:
-                return
-
-    def Abort(self, request, context):
-        return pb.AbortResponse(found=self.worker.abort(request.request_id, request.writer_stopped))
-
-    def Stats(self, request, context):
+    @unary
+    async def Stats(self, request, context):
+        load = await _ctl(self.load)
         counters = dict(self.worker.metrics)
         cs = self.worker.counter.stats()
         counters.update(stale_immediates_dropped=cs.stale_dropped, invalid_immediates_dropped=cs.invalid_dropped,
-                        transfer_timeouts=cs.timed_out)
+                        transfer_timeouts=cs.timed_out, loop_errors=self.worker.watch.errors)
         es = self.res.transfer.stats()
         counters.update(kv_bytes_received=es.bytes_received, kv_writes_received=es.writes_received,
                         kv_writes_rejected=es.writes_rejected, auth_failures=es.auth_failures)
-        return pb.StatsResponse(load=self.load(), counters={k: float(v) for k, v in counters.items()})
+        return pb.StatsResponse(load=load, counters={k: float(v) for k, v in counters.items()})
 
-    def Drain(self, request, context):
-        self.worker.drain(0.0)
+    @unary
+    async def Drain(self, request, context):
+        await _ctl(self.worker.drain, 0.0)
         return pb.DrainResponse()
 
     # -- WorkerService ---------------------------------------------------------------------------
     def load(self) -> pb.LoadStats:
-        free, total, running, waiting, reserved, draining = self.worker.load()
-        return pb.LoadStats(free_blocks=free, total_blocks=total, running=running, waiting=waiting,
-                            reserved_blocks=reserved, draining=draining)
+        d = self.worker.load()
+        problem = check([self.worker.watch])
+        return pb.LoadStats(free_blocks=d.free_blocks, total_blocks=d.total_blocks, running=d.running,
+                            waiting=d.waiting_kv, reserved_blocks=d.reserved_blocks, draining=d.draining,
+                            unhealthy=problem is not None, unhealthy_reason=problem or "")
 
     def drain(self, timeout_s: float) -> None:
         self.worker.drain(timeout_s)
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _chunk(outputs: list) -> tuple[pb.TokenChunk | None, bool]:
+    """(chunk, finished) from a run of sink items; raises the error that ends a run."""
+    tokens: list[int] = []
+    reason = ""
+    for item in outputs:
+        if isinstance(item, Exception):
+            raise item
+        out: StepOutput = item
+        tokens += out.new_token_ids
+        if out.finish_reason == FinishReason.ERROR:
+            log.warning("sequence %s failed alone in its batch", out.request_id)
+        if out.finish_reason is not None:
+            reason = out.finish_reason.value
+    return pb.TokenChunk(token_ids=tokens, finish_reason=reason), bool(reason)
+

@@ -3,22 +3,29 @@
 Lifecycle of a request (ARCHITECTURE.md, "One request, end to end"):
 
     Reserve   blocks for the prompt + a transfer slot (slot, generation)    -> RESERVED
-              (no free blocks: CapacityError; the router tries another worker)
-    Decode    expect(num_writes); wait until the slot's immediates reach it -> DECODING
-              the request joins the running batch with its first token; the loop thread streams
-              every StepOutput to the request's queue until it finishes (blocks freed by the
-              generator)
-    failure   transfer deadline, writer lost, abort before the KV completed -> the slot is
-              released (its generation bumps, late immediates are dropped as stale) and the
-              blocks are freed only when no writer can still write into them:
-              - at once if the writer's connection is gone (PeerLostError) or the caller says the
-                writer stopped (Abort with writer_stopped);
-              - otherwise after ``quarantine_s`` (longer than any writer's lease).
-    expiry    a reservation whose Decode never comes is failed at ``transfer_timeout_s``.
+              (no free blocks or slots: CapacityError; the router tries another worker). The
+              reservation lives ``transfer_timeout_s`` (its lease, told to the router) waiting
+              for its Decode call.
+    Decode    arguments checked (nothing changes when they are wrong), then
+              expect(num_writes)                                             -> WAITING_KV
+              The call returns at once: the ``decode-loop`` thread polls the waiting transfers
+              between steps (no thread waits for KV). Once the slot's immediates reach the count
+              the request joins the running batch with its first token       -> DECODING
+              and every `StepOutput` goes to the request's sink until it finishes (blocks freed
+              by the generator).
+    failure   transfer deadline, writer lost, abort before the KV completed -> FAILED: the sink
+              gets the typed error; the slot is released (its generation bumps, late immediates
+              are dropped as stale) and the blocks are freed only when no writer can still
+              write into them:
+              - at once if the writer's connection is gone (PeerLostError), the transfer
+                completed, or the caller says the writer stopped (Abort with writer_stopped);
+              - otherwise after ``quarantine_s`` (longer than any writer's lease), and the slot
+                too is kept out of use that long.
+    expiry    a reservation whose Decode never comes fails at the end of its lease.
 
-Threads: ``decode-loop`` owns the generator (one lock guards the generator, the reservations and
-the quarantine); gRPC handler threads block in `start_decode` waiting for KV, then read their
-request's queue.
+Threads: ``decode-loop`` owns the generator; one `StepGate` guards the generator, the
+reservations and the quarantine, and the loop lets RPC threads in between steps. RPC callers
+never wait for KV or tokens: outputs reach them through their `Sink`.
 """
 
 from __future__ import annotations
@@ -28,28 +35,27 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
-from engine.generator import Generator, StepOutput
+from engine.generator import Generator, StepOutput, validate_request
 from engine.ids import BlockId
 from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
-from kvtransfer import CompletionCounter, KVTransferError, PeerLostError, TransferError, TransferTimeout
+from kvtransfer import (CompletionCounter, KVTransferError, PeerLostError, SlotState, TransferError,
+                        TransferTimeout)
+from worker.errors import DrainingError, UnknownRequestError
 from worker.gate import StepGate
+from worker.liveness import LoopWatch
 from worker.runtime import WorkerResources
+from worker.validate import check_request_id
 
 log = logging.getLogger(__name__)
 
-
-class DrainingError(Exception):
-    """The worker is draining and accepts no new requests."""
-
-
-class UnknownRequestError(KeyError):
-    """No reservation with that request id."""
+MAX_WRITES_PER_REQUEST = 1 << 24   # far above any plan: layers x 2 x blocks
 
 
 class ResState(enum.IntEnum):
@@ -69,18 +75,33 @@ _NEXT = {
 }
 
 
+class Sink(Protocol):
+    """Where a request's outputs go: `StepOutput` items (the last has ``finish_reason``), or
+    one `KVTransferError` when its transfer failed. ``put`` is called from the decode loop and
+    RPC threads; it must not block."""
+
+    def put(self, item: StepOutput | KVTransferError) -> None: ...
+
+
 @dataclass
 class Reservation:
-    """Blocks and a transfer slot held for one request until its KV arrives."""
+    """Blocks and a transfer slot held for one request until its KV arrives, then the request.
+
+    ``deadline``: monotonic seconds at which a RESERVED reservation expires; ``sink`` is set by
+    Decode / Generate."""
 
     request_id: str
     blocks: list[BlockId]
     slot: int
     generation: int
+    num_prompt_tokens: int
     deadline: float
     state: ResState = ResState.RESERVED
     writer_stopped: bool = False
-    outputs: "queue.SimpleQueue[StepOutput]" = field(default_factory=queue.SimpleQueue)
+    sink: Sink | None = None
+    first_token: int = 0
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams | None = None
 
     def move(self, new: ResState) -> None:
         if new not in _NEXT[self.state]:
@@ -88,14 +109,33 @@ class Reservation:
         self.state = new
 
 
-class DecodeArrivals:
-    """The transfer engine's arrival sink for a decode worker: immediates go to the
-    `CompletionCounter`; a writer's lost connection also reaches ``on_lost`` callbacks (the decode
-    worker frees quarantined blocks that writer was the last to touch)."""
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A decode worker's load: blocks, sequences decoding or queued, reservations not decoding."""
 
-    def __init__(self, counter: CompletionCounter):
-        self.counter = counter
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting_kv: int
+    reserved_blocks: int
+    draining: bool
+
+
+class DecodeArrivals:
+    """The transfer engine's arrival sink for a decode worker: immediates go to a
+    `CompletionCounter` of ``num_slots`` transfer slots; a slot that completes or fails calls the
+    ``on_done`` callbacks (the decode loop wakes up), and a writer's lost connection also reaches
+    the ``on_lost`` callbacks (the decode worker frees quarantined blocks that writer was the last
+    to touch). Callbacks run on engine threads and must not block."""
+
+    def __init__(self, num_slots: int):
+        self.counter = CompletionCounter(num_slots, on_done=self._done)
+        self.on_done: list = []
         self.on_lost: list = []
+
+    def _done(self, slot, generation, state) -> None:
+        for callback in list(self.on_done):
+            callback()
 
     def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
         self.counter.on_immediate(imm, source, count)
@@ -110,8 +150,8 @@ class DecodeWorker:
     """Reservations + KV arrival counting + the decode loop over one KV pool.
 
     Args:
-        res: the worker's resources; ``res.transfer`` must deliver arrivals to ``counter``.
-        counter: the `CompletionCounter` the transfer engine feeds.
+        res: the worker's resources; ``res.transfer`` must deliver arrivals to ``arrivals``.
+        arrivals: the `DecodeArrivals` the transfer engine feeds.
     """
 
     def __init__(self, res: WorkerResources, arrivals: DecodeArrivals):
@@ -123,95 +163,112 @@ class DecodeWorker:
         self.gen = Generator(res.loaded.model, res.pool, None,
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens))
+        self._model = res.loaded.config
         self._lock = StepGate()   # the loop holds it per step and lets RPC threads in between
+        self._wake = threading.Event()   # work arrived (a request, a completed slot)
+        arrivals.on_done.append(self._wake.set)
         self._reservations: dict[str, Reservation] = {}
+        self._waiting_kv: dict[str, Reservation] = {}
         # (expiry, blocks, writers that may still write into them)
         self._quarantine: list[tuple[float, list[BlockId], set[str]]] = []
         self._draining = False
         self._stop = threading.Event()
         self.metrics = {"transfers_completed": 0, "transfers_failed": 0, "reservations_expired": 0,
-                        "blocks_quarantined": 0, "requests_finished": 0, "requests_aborted": 0}
+                        "blocks_quarantined": 0, "requests_finished": 0, "requests_aborted": 0,
+                        "sequences_failed": 0}
+        self.watch = LoopWatch("decode-loop")
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self.watch.attach(self._thread)
         self._thread.start()
 
     # -- RPC-facing operations ----------------------------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Reservation:
-        """Allocate blocks for the prompt and a transfer slot.
+        """Allocate blocks for the prompt and a transfer slot for ``transfer_timeout_s``.
 
         Raises:
-            DrainingError, CapacityError (pool or slots full), InvalidRequestError, ValueError
-            (duplicate id).
+            InvalidRequestError (bad id or counts, duplicate id), DrainingError, CapacityError
+            (pool or slots full; nothing is held).
         """
-        if num_prompt_tokens < 1 or max_tokens < 1:
-            raise InvalidRequestError("num_prompt_tokens and max_tokens must be >= 1")
+        check_request_id(request_id)
+        if not 1 <= num_prompt_tokens < self._model.max_position:
+            raise InvalidRequestError(f"num_prompt_tokens must be in [1, {self._model.max_position}), "
+                                      f"got {num_prompt_tokens}")
+        if not 1 <= max_tokens <= self._model.max_position - num_prompt_tokens:
+            raise InvalidRequestError(f"max_tokens {max_tokens} does not fit the context with "
+                                      f"{num_prompt_tokens} prompt tokens")
         need = blocks_needed(num_prompt_tokens, self.res.pool.block_size)
+        lease = self.res.config.transfer_timeout_s
         with self._lock:
             if self._draining:
                 raise DrainingError("decode worker is draining")
             if request_id in self._reservations:
-                raise ValueError(f"request {request_id!r} already reserved")
+                raise InvalidRequestError(f"request {request_id!r} is already reserved")
             blocks = self.res.pool.allocator.allocate(need)  # CapacityError: nothing taken
             try:
-                slot, generation = self.counter.acquire(self.res.config.transfer_timeout_s)
+                slot, generation = self.counter.acquire(lease)
             except TransferError as exc:
                 self.res.pool.allocator.free(blocks)
                 raise CapacityError(str(exc)) from exc
-            r = Reservation(request_id, blocks, slot, generation,
-                            time.monotonic() + self.res.config.transfer_timeout_s)
+            r = Reservation(request_id, blocks, slot, generation, num_prompt_tokens,
+                            time.monotonic() + lease)
             self._reservations[request_id] = r
             return r
 
     def start_decode(self, request_id: str, first_token: int, num_writes: int,
-                     prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
-        """Wait for the request's KV, then join it to the running batch.
+                     prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Queue the request behind its KV transfer; returns at once.
 
-        Returns the reservation; its ``outputs`` queue receives every `StepOutput` (the last one
-        has ``finish_reason``). Raises UnknownRequestError, InvalidRequestError, or the transfer's
-        `KVTransferError` (TransferTimeout, PeerLostError, ...) after releasing the slot.
+        Outputs (or the transfer's `KVTransferError`) go to ``sink``. The arguments are checked
+        first: when they are wrong nothing changes (the reservation stays for the caller's Abort).
+
+        Raises:
+            UnknownRequestError: no reservation waiting for its Decode.
+            InvalidRequestError: prompt not of the reserved length or outside the vocabulary,
+                ``first_token`` outside the vocabulary, ``num_writes`` out of range.
         """
+        vocab = self._model.vocab_size
+        if not 0 <= first_token < vocab:
+            raise InvalidRequestError(f"first_token {first_token} outside the vocabulary [0, {vocab})")
+        if not 0 <= num_writes <= MAX_WRITES_PER_REQUEST:
+            raise InvalidRequestError(f"num_writes {num_writes} out of range")
+        validate_request(prompt_token_ids, params, self._model.max_position, vocab)
         with self._lock:
             r = self._reservations.get(request_id)
             if r is None or r.state != ResState.RESERVED:
-                raise UnknownRequestError(request_id)
-            if len(prompt_token_ids) > len(r.blocks) * self.res.pool.block_size:
-                self._fail(r, InvalidRequestError("prompt longer than the reservation"))
-                raise InvalidRequestError("prompt longer than the reservation")
-            r.move(ResState.WAITING_KV)
-        try:
-            self.counter.expect(r.slot, r.generation, num_writes)
-            self.counter.wait(r.slot, r.generation, timeout_s=max(0.0, r.deadline - time.monotonic()) + 1.0)
-        except KVTransferError as exc:
-            with self._lock:
+                raise UnknownRequestError(f"no reservation waiting for its Decode: {request_id!r}")
+            if len(prompt_token_ids) != r.num_prompt_tokens:
+                raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens; "
+                                          f"{r.num_prompt_tokens} were reserved")
+            try:
+                self.counter.expect(r.slot, r.generation, num_writes)
+            except TransferError as exc:   # the slot failed or expired a moment ago
                 self._fail(r, exc)
-            raise
-        with self._lock:
-            if r.state != ResState.WAITING_KV:  # aborted while waiting
-                raise TransferError(f"request {request_id} was aborted")
-            self.counter.release(r.slot, r.generation)
-            self.metrics["transfers_completed"] += 1
-            r.move(ResState.DECODING)
-            done = self.gen.add_prefilled(request_id, prompt_token_ids, first_token, r.blocks, params)
-            if done is not None:
-                self._finish(r, done)
-            self._lock.notify_all()
-        return r
+                raise UnknownRequestError(f"reservation {request_id!r} is gone: {exc}") from exc
+            r.first_token, r.prompt_token_ids, r.params, r.sink = first_token, list(prompt_token_ids), params, sink
+            r.move(ResState.WAITING_KV)
+            self._waiting_kv[request_id] = r
+        self._wake.set()
 
-    def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
-        """Colocated serving: prefill and decode here, no transfer. Outputs arrive on the returned
-        reservation's queue as for `start_decode` (the first output carries the first token).
+    def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       sink: Sink) -> None:
+        """Colocated serving: prefill and decode here, no transfer; outputs go to ``sink`` (the
+        first carries the first token).
 
-        Raises DrainingError, InvalidRequestError / ContextLengthError, CapacityError, ValueError.
+        Raises InvalidRequestError / ContextLengthError (nothing changed), CapacityError (prompt
+        + max_tokens larger than the pool), DrainingError.
         """
+        check_request_id(request_id)
+        validate_request(prompt_token_ids, params, self._model.max_position, self._model.vocab_size)
         with self._lock:
             if self._draining:
                 raise DrainingError("decode worker is draining")
             if request_id in self._reservations:
-                raise ValueError(f"request {request_id!r} already in flight")
+                raise InvalidRequestError(f"request {request_id!r} is already in flight")
             self.gen.add_request(request_id, prompt_token_ids, params)
-            r = Reservation(request_id, [], -1, -1, float("inf"), state=ResState.DECODING)
+            r = Reservation(request_id, [], -1, -1, len(prompt_token_ids), float("inf"),
+                            state=ResState.DECODING, sink=sink)
             self._reservations[request_id] = r
-            self._lock.notify_all()
-            return r
+        self._wake.set()
 
     def abort(self, request_id: str, writer_stopped: bool = False) -> bool:
         """Abort a reserved, transferring or decoding request; False if unknown."""
@@ -226,17 +283,17 @@ class DecodeWorker:
                     self._finish(r, out)
             elif r.state in (ResState.RESERVED, ResState.WAITING_KV):
                 self.counter.fail(r.slot, r.generation, TransferError("aborted"))
-                self._fail(r, TransferError("aborted"))
+                self._fail(r, TransferError(f"request {request_id} was aborted"))
             self.metrics["requests_aborted"] += 1
             return True
 
-    def load(self):
-        """(free_blocks, total_blocks, running, waiting_kv, reserved_blocks, draining)."""
+    def load(self) -> DecodeLoad:
         with self._lock:
-            reserved = [r for r in self._reservations.values() if r.state in (ResState.RESERVED, ResState.WAITING_KV)]
-            return (self.res.pool.allocator.num_free, self.res.pool.num_blocks,
-                    len(self.gen.running) + len(self.gen.waiting), len(reserved),
-                    sum(len(r.blocks) for r in reserved), self._draining)
+            reserved = [r for r in self._reservations.values()
+                        if r.state in (ResState.RESERVED, ResState.WAITING_KV)]
+            return DecodeLoad(self.res.pool.allocator.num_free, self.res.pool.num_blocks,
+                              len(self.gen.running) + len(self.gen.waiting), len(reserved),
+                              sum(len(r.blocks) for r in reserved), self._draining)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -253,9 +310,9 @@ class DecodeWorker:
     def close(self) -> None:
         """Stop and join the decode loop; abort what is left."""
         self._stop.set()
-        with self._lock:
-            self._lock.notify_all()
+        self._wake.set()
         self._thread.join(timeout=30)
+        self.watch.stopped()
         with self._lock:
             for rid in list(self._reservations):
                 r = self._reservations[rid]
@@ -263,34 +320,74 @@ class DecodeWorker:
                     out = self.gen.abort(rid)
                     if out is not None:
                         self._finish(r, out)
+                elif r.state in (ResState.RESERVED, ResState.WAITING_KV):
+                    self._fail(r, TransferError("decode worker closed"))
 
     # -- internals (called with the lock held) -------------------------------------------------
-    def _fail(self, r: Reservation, error: Exception) -> None:
+    def _fail(self, r: Reservation, error: KVTransferError, writer_done: bool = False) -> None:
+        """Fail a reservation before it decodes; ``writer_done``: no write can still land."""
         if r.state in (ResState.FAILED, ResState.DONE):
             return
         r.move(ResState.FAILED)
+        self._waiting_kv.pop(r.request_id, None)
         writers = set(self.counter.writers(r.slot, r.generation))
-        self.counter.release(r.slot, r.generation)
+        stopped = writer_done or r.writer_stopped or isinstance(error, PeerLostError)
+        self.counter.release(r.slot, r.generation,
+                             0.0 if stopped else self.res.config.quarantine_s)
         self.metrics["transfers_failed"] += 1
-        if r.writer_stopped or isinstance(error, PeerLostError):
+        if stopped:
             self.res.pool.allocator.free(r.blocks)
         else:
             self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, r.blocks, writers))
             self.metrics["blocks_quarantined"] += len(r.blocks)
-        r.outputs.put(StepOutput(r.request_id, [], "", FinishReason.ABORT, 0, 0))
+        if r.sink is not None:
+            r.sink.put(error)
         del self._reservations[r.request_id]
         self._lock.notify_all()
 
     def _finish(self, r: Reservation, out: StepOutput) -> None:
-        r.outputs.put(out)
+        r.sink.put(out)
         if out.finished and r.state == ResState.DECODING:
             r.move(ResState.DONE)
             del self._reservations[r.request_id]
-            self.metrics["requests_finished"] += 1
+            key = "sequences_failed" if out.finish_reason == FinishReason.ERROR else "requests_finished"
+            self.metrics[key] += 1
             self._lock.notify_all()
+
+    def _admit_arrived(self) -> bool:
+        """Join every request whose KV arrived to the batch; fail those whose transfer failed.
+        True if any changed."""
+        changed = False
+        for r in list(self._waiting_kv.values()):
+            st = self.counter.state(r.slot)
+            if st.generation != r.generation or st.state == SlotState.FREE:
+                self._fail(r, TransferError(f"slot of {r.request_id} was released"))
+            elif st.state == SlotState.FAILED:
+                self._fail(r, st.error or TransferError("transfer failed"))
+            elif st.state == SlotState.COMPLETE:
+                self._start(r)
+            else:
+                continue
+            changed = True
+        return changed
+
+    def _start(self, r: Reservation) -> None:
+        del self._waiting_kv[r.request_id]
+        try:
+            done = self.gen.add_prefilled(r.request_id, r.prompt_token_ids, r.first_token, r.blocks, r.params)
+        except Exception as exc:   # checked in start_decode; a bug here fails this request alone
+            log.exception("request %s could not join the batch", r.request_id)
+            self._fail(r, TransferError(f"could not join the batch: {exc}"), writer_done=True)
+            return
+        self.counter.release(r.slot, r.generation)
+        self.metrics["transfers_completed"] += 1
+        r.move(ResState.DECODING)
+        if done is not None:
+            self._finish(r, done)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        self.counter.expire_overdue()
         for r in list(self._reservations.values()):
             if r.state == ResState.RESERVED and now >= r.deadline:
                 self.metrics["reservations_expired"] += 1
@@ -315,22 +412,43 @@ class DecodeWorker:
                         continue
                 keep.append((until, blocks, writers))
             self._quarantine = keep
+        self._wake.set()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.gen.step()
+        except Exception:  # a bug in a step must not kill the worker silently
+            log.exception("decode step failed; aborting the running batch")
+            outputs = [o for rid in [s.request_id for s in self.gen.running + list(self.gen.waiting)]
+                       if (o := self.gen.abort(rid)) is not None]
+        for out in outputs:
+            r = self._reservations.get(out.request_id)
+            if r is not None:
+                self._finish(r, out)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                self._housekeeping()
-                if not self.gen.has_unfinished():
-                    self._lock.wait(0.25)
-                    continue
-                try:
-                    outputs = self.gen.step()
-                except Exception:  # a bug in a step must not kill the worker silently
-                    log.exception("decode step failed; aborting the running batch")
-                    outputs = [o for rid in [s.request_id for s in self.gen.running + list(self.gen.waiting)]
-                               if (o := self.gen.abort(rid)) is not None]
-                for out in outputs:
-                    r = self._reservations.get(out.request_id)
-                    if r is not None:
-                        self._finish(r, out)
-            self._lock.yield_to_waiters()   # RPCs (Abort, load, Stats) go before the next step
+            self.watch.tick()
+            self._wake.clear()
+            busy = False
+            with self.watch.guard("decode iteration"):
+                with self._lock:
+                    self._housekeeping()
+                    self._admit_arrived()
+                    busy = self.gen.has_unfinished()
+                    if busy:
+                        self._step()
+            if busy:
+                self._lock.yield_to_waiters()   # RPCs (Abort, load, Stats) go before the next step
+            else:
+                self._wake.wait(0.25)
+
+
+class QueueSink:
+    """A `Sink` over a ``queue.SimpleQueue`` (tests and blocking readers)."""
+
+    def __init__(self) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, item) -> None:
+        self.items.put(item)

@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
                     help="idle time after the cluster is up before measuring (workers finish warming up)")
     args = ap.parse_args(argv)
     from engine.tokenizer import Tokenizer
-    from engine.weights import default_model_path
+    from engine.modelfile import default_model_path
 
     prompt = _prompt_ids(Tokenizer.from_file(default_model_path()), args.prompt_tokens)
     rows = {"engine": measure_engine(prompt, args.max_tokens, args.repeats)}

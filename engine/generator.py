@@ -26,7 +26,7 @@ from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from engine.ids import BlockId, RequestId
 from engine.kv_cache import KVPool, blocks_needed
 from engine.model import LlamaModel
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingError, SamplingParams, sample
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
 
@@ -126,7 +126,8 @@ class Generator:
 
         Ownership of ``block_table`` passes to the generator: it frees the blocks when the request
         finishes or is aborted. The first token counts towards ``max_tokens`` and stop checks; the
-        next `step` computes its K/V and samples the second token.
+        next `step` computes its K/V and samples the second token. When ``max_num_seqs`` are
+        running already it waits (its blocks held) until the batch has room.
 
         Returns:
             A finished `StepOutput` when the first token already ends the request (then the blocks
@@ -137,10 +138,16 @@ class Generator:
         """
         if len(block_table) * self.pool.block_size < len(prompt_token_ids):
             raise ValueError(f"{len(block_table)} blocks cannot hold a {len(prompt_token_ids)}-token prompt")
+        if not 0 <= first_token < self.model.config.vocab_size:
+            raise InvalidRequestError(f"first token {first_token} outside the vocabulary")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        seq.block_table, seq.num_computed, seq.status = list(block_table), len(prompt_token_ids), SeqStatus.RUNNING
+        seq.block_table, seq.num_computed = list(block_table), len(prompt_token_ids)
         self._by_id[seq.request_id] = seq
-        self.running.append(seq)
+        if len(self.running) < self.config.max_num_seqs:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:   # the batch is full: it waits, its KV in place; the next prefill pass computes
+            self.waiting.append(seq)   # its first token's K/V and samples the second
         out = self._append(seq, int(first_token))
         return out if out.finished else None
 
@@ -233,6 +240,10 @@ class Generator:
             seq.num_computed += len(chunk.token_ids)
         outputs = []
         for seq, token in zip(sampled_seqs, tokens):
+            if isinstance(token, SamplingError):   # this sequence fails alone
+                seq.finish(FinishReason.ERROR)
+                outputs.append(self._retire(seq, [], ""))
+                continue
             if seq.status == SeqStatus.WAITING:
                 self.waiting.remove(seq)
                 self.running.append(seq)

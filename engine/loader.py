@@ -13,7 +13,8 @@ from engine.generator import Generator
 from engine.kv_cache import KVPool
 from engine.model import LlamaModel
 from engine.tokenizer import Tokenizer
-from engine.weights import load_weights, resolve_model_path
+from engine.modelfile import resolve_model_path
+from engine.weights import load_weights
 
 
 @dataclass

@@ -7,9 +7,16 @@ from typing import Sequence
 
 import torch
 
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 
 MAX_STOP_STRINGS = 16
+# Temperatures below this mean greedy (vLLM's ``_SAMPLING_EPS``): dividing float32 logits by a
+# smaller one overflows to inf and the distribution becomes NaN.
+SAMPLING_EPS = 1e-5
+
+
+class SamplingError(EngineError):
+    """One row's distribution could not be sampled (non-finite or all-zero probabilities)."""
 
 
 @dataclass(frozen=True)
@@ -18,7 +25,8 @@ class SamplingParams:
 
     Fields:
         max_tokens: tokens to generate at most (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it (0 < t <= 100).
+        temperature: below ``SAMPLING_EPS`` (1e-5), 0 included, means greedy; otherwise logits
+            are divided by it (t <= 100).
         top_p: nucleus sampling mass, 0 < top_p <= 1 (1 disables).
         top_k: keep the k most likely tokens; 0 or -1 disables.
         seed: seed of this request's private random generator (None: random).
@@ -56,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def make_generator(self) -> torch.Generator | None:
         """The request's private random generator (None for greedy)."""
@@ -71,23 +79,27 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """Pick one token per row.
+           generators: Sequence[torch.Generator | None]) -> list[int | SamplingError]:
+    """Pick one token per row; a row that cannot be sampled does not affect the others.
 
     Args:
         logits: ``[B, vocab]`` float32.
         params / generators: one per row.
     Returns:
-        ``B`` token ids.
+        ``B`` entries: a token id, or the `SamplingError` of a row whose logits are not finite
+        (the caller fails that sequence alone).
     """
-    out = logits.argmax(dim=-1).tolist()
+    out: list[int | SamplingError] = logits.argmax(dim=-1).tolist()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
+        if not finite[row]:
+            out[row] = SamplingError(f"row {row}: the model produced non-finite logits")
+        elif not p.greedy:
             out[row] = _sample_row(logits[row], p, gen)
     return out
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int | SamplingError:
     scores = logits / p.temperature
     if p.top_k > 0 and p.top_k < scores.numel():
         kth = torch.topk(scores, p.top_k).values[-1]
@@ -99,4 +111,6 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = scores.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return SamplingError(f"temperature {p.temperature} gives no valid distribution")
     return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -28,6 +28,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"    # this sequence alone failed (e.g. its logits could not be sampled)
 
 
 @dataclass

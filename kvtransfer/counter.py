@@ -6,13 +6,18 @@ Lifecycle of one slot (decode worker side)::
         on_immediate(imm, source)  x N             # engine threads; any order, any time
         expect(slot, generation, n)                # Decode(num_writes): may come before or after
         wait(slot, generation) / state(slot)       # returns once received == n
-    release(slot, generation)                      # generation bumps; late writes become stale
+    release(slot, generation, reuse_after_s)       # generation bumps; late writes become stale
 
 States (:class:`SlotState`): ``FREE -> PENDING -> COMPLETE | FAILED``, back to ``FREE`` only via
 ``release``. ``FAILED`` is absorbing until release: the deadline passing (``TransferTimeout``), the
 peer that was writing dying (``fail_source`` -> ``PeerLostError``), more immediates than expected,
 or an explicit ``fail``. A slot completes or fails exactly once; ``on_done`` is called once per
 acquisition with the final state.
+
+Slot reuse: free slots are handed out oldest-released first, and a slot released after a failure
+whose writer may still be writing (``reuse_after_s`` > 0, the writer's lease) is not handed out
+again before that time. The 8-bit generation therefore cannot wrap around to a value a late
+write of an earlier use still carries while that write can arrive.
 
 Ownership: releasing a slot does not make its KV blocks reusable. A block may be reused only when
 no peer can still write into it: the slot COMPLETED, or the writer confirmed it stopped, or its
@@ -24,8 +29,10 @@ Thread safety: every method may be called from any thread. Waiting blocks on a c
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -103,7 +110,9 @@ class CompletionCounter:
         if not 1 <= num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be in [1, {MAX_SLOTS}], got {num_slots}")
         self._slots = [_Slot() for _ in range(num_slots)]
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free: deque[int] = deque(range(num_slots))      # oldest released first
+        self._cooling: list[tuple[float, int]] = []           # heap of (reusable at, slot)
+        self._pending: set[int] = set()
         self._cond = threading.Condition()
         self._on_done = on_done
         self._clock = clock
@@ -119,28 +128,49 @@ class CompletionCounter:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
         with self._cond:
+            now = self._clock()
+            while self._cooling and self._cooling[0][0] <= now:
+                self._free.append(heapq.heappop(self._cooling)[1])
             if not self._free:
-                raise TransferError(f"all {len(self._slots)} transfer slots are in use")
-            index = self._free.pop()
+                raise TransferError(f"all {len(self._slots)} transfer slots are in use "
+                                    f"({len(self._cooling)} waiting out a failed writer's lease)")
+            index = self._free.popleft()
             slot = self._slots[index]
             self._transition(slot, SlotState.PENDING)
+            self._pending.add(index)
             slot.expected, slot.received, slot.error = None, 0, None
             slot.sources = set()
             slot.deadline = self._clock() + deadline_s
             return SlotId(index), Generation(slot.generation)
 
-    def release(self, slot: int, generation: int) -> None:
+    def release(self, slot: int, generation: int, reuse_after_s: float = 0.0) -> None:
         """Return ``slot`` to the free list and bump its generation. Idempotent for a stale
-        ``generation`` (a no-op). Any later immediate for ``generation`` is dropped as stale."""
+        ``generation`` (a no-op). Any later immediate for ``generation`` is dropped as stale.
+        ``reuse_after_s`` (seconds): keep the slot out of `acquire` that long (a writer that may
+        still write, see the module docstring)."""
         with self._cond:
             s = self._get(slot)
             if s.generation != generation or s.state == SlotState.FREE:
                 return
             self._transition(s, SlotState.FREE)
+            self._pending.discard(slot)
             s.generation = next_generation(s.generation)
             s.sources = set()
-            self._free.append(slot)
+            if reuse_after_s > 0:
+                heapq.heappush(self._cooling, (self._clock() + reuse_after_s, slot))
+            else:
+                self._free.append(slot)
             self._cond.notify_all()
+
+    def extend(self, slot: int, generation: int, deadline_s: float) -> bool:
+        """Move a pending slot's deadline to ``deadline_s`` seconds from now; False if the slot
+        is not pending for ``generation``."""
+        with self._cond:
+            s = self._get(slot)
+            if s.generation != generation or s.state != SlotState.PENDING:
+                return False
+            s.deadline = self._clock() + deadline_s
+            return True
 
     # -- counting ----------------------------------------------------------------------------
     def expect(self, slot: int, generation: int, num_writes: int, source: str | None = None) -> None:
@@ -207,7 +237,8 @@ class CompletionCounter:
         """Fail every pending slot attributed to ``source``; returns the failed slots."""
         done = []
         with self._cond:
-            for index, s in enumerate(self._slots):
+            for index in list(self._pending):
+                s = self._slots[index]
                 if s.state == SlotState.PENDING and source in s.sources:
                     err = PeerLostError(f"slot {index}: writer {source} lost: {error}")
                     done.append(self._finish(index, s, SlotState.FAILED, err))
@@ -219,7 +250,8 @@ class CompletionCounter:
         done = []
         with self._cond:
             now = self._clock()
-            for index, s in enumerate(self._slots):
+            for index in list(self._pending):
+                s = self._slots[index]
                 if s.state == SlotState.PENDING and now >= s.deadline:
                     done.append(self._expire(index, s))
         self._notify(done)
@@ -299,6 +331,7 @@ class CompletionCounter:
 
     def _finish(self, index: int, s: _Slot, state: SlotState, error: KVTransferError | None) -> tuple:
         self._transition(s, state)
+        self._pending.discard(index)
         s.error = error
         if state == SlotState.COMPLETE:
             self._completed += 1

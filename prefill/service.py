@@ -1,18 +1,27 @@
-"""gRPC `Prefill` service over a `PrefillWorker` (see rpc/pdserve.proto for the contract)."""
+"""gRPC `Prefill` service (``grpc.aio``) over a `PrefillWorker`; the contract of each RPC is in
+rpc/pdserve.proto, the exception -> status table in `worker.status`.
+
+A Prefill call is a coroutine awaiting its job's done callback (no thread waits for compute or
+transfer); a call cancelled by its caller aborts the job. Abort answers once the job's posted
+writes completed (the acknowledgement the decode side's block-reuse rule needs), or
+DEADLINE_EXCEEDED when they did not within ``abort_timeout_s``: then no stop is acknowledged.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-import grpc
-
-from engine.errors import CapacityError, InvalidRequestError
-from kvtransfer import AuthError, EndpointInfo, KVTransferError, TransferTimeout
-from prefill.worker import PrefillAborted, PrefillError, PrefillTimeout, PrefillWorker
+from kvtransfer import EndpointInfo
+from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from worker.convert import sampling_from_proto
+from worker.errors import PrefillTimeout
+from worker.liveness import check
 from worker.runtime import WorkerResources
+from worker.sink import wait_finished
+from worker.status import unary
 
 log = logging.getLogger(__name__)
 
@@ -20,68 +29,77 @@ log = logging.getLogger(__name__)
 class PrefillService(pb_grpc.PrefillServicer):
     """The prefill worker's RPC surface."""
 
-    def __init__(self, res: WorkerResources, worker: PrefillWorker):
+    def __init__(self, res: WorkerResources, worker: PrefillWorker, abort_timeout_s: float = 30.0):
         self.res = res
         self.worker = worker
+        self.abort_timeout_s = abort_timeout_s
 
-    def add_to_server(self, server: grpc.Server) -> None:
+    def add_to_server(self, server) -> None:
         pb_grpc.add_PrefillServicer_to_server(self, server)
 
-    def Describe(self, request, context):
+    def _endpoint(self) -> pb.Endpoint:
         return pb.Endpoint(engine=self.res.transfer.name, description=self.res.transfer.describe().to_bytes())
 
-    def Connect(self, request, context):
-        try:
-            info = EndpointInfo.from_bytes(request.peer_endpoint.description)
-            self.worker.connect(request.peer_worker_id, info)
-        except AuthError as exc:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"data plane: {exc}")
-        except KVTransferError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"data plane: {exc}")
-        return pb.ConnectResponse(endpoint=self.Describe(None, context))
+    @unary
+    async def Describe(self, request, context):
+        return self._endpoint()
 
-    def Disconnect(self, request, context):
-        self.worker.disconnect(request.peer_worker_id)
+    @unary
+    async def Connect(self, request, context):
+        info = EndpointInfo.from_bytes(request.peer_endpoint.description)
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.connect, request.peer_worker_id, info)
+        return pb.ConnectResponse(endpoint=self._endpoint())
+
+    @unary
+    async def Disconnect(self, request, context):
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.disconnect, request.peer_worker_id)
         return pb.DisconnectResponse()
 
-    def Prefill(self, request, context):
+    @unary
+    async def Prefill(self, request, context):
+        params = sampling_from_proto(request.sampling)
+        job = self.worker.submit(request.request_id, list(request.token_ids), params, request.decode_worker_id,
+                                 list(request.block_ids), request.slot, request.generation,
+                                 request.write_deadline_s)
         try:
-            params = sampling_from_proto(request.sampling)
-            result = self.worker.prefill(request.request_id, list(request.token_ids), params,
-                                         request.decode_worker_id, list(request.block_ids),
-                                         request.slot, request.generation)
-        except (InvalidRequestError, ValueError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except CapacityError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except PrefillAborted as exc:
-            context.abort(grpc.StatusCode.CANCELLED, str(exc))
-        except (PrefillTimeout, TransferTimeout) as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except (PrefillError, KVTransferError) as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return pb.PrefillResponse(first_token=result.first_token, num_writes=result.num_writes,
-                                  bytes_written=result.bytes_written, prefill_seconds=result.compute_seconds,
-                                  transfer_seconds=result.transfer_seconds)
+            await wait_finished(job, None)   # every job finishes: its lease bounds it
+        except asyncio.CancelledError:   # the caller gave up (deadline, cancel): stop the job
+            self.worker.abort(job.request_id)
+            raise
+        r = job.result()
+        return pb.PrefillResponse(first_token=r.first_token, num_writes=r.num_writes,
+                                  bytes_written=r.bytes_written, prefill_seconds=r.compute_seconds,
+                                  transfer_seconds=r.transfer_seconds)
 
-    def Abort(self, request, context):
-        return pb.AbortResponse(found=self.worker.abort(request.request_id))
+    @unary
+    async def Abort(self, request, context):
+        job = self.worker.abort(request.request_id)
+        if job is None:
+            return pb.AbortResponse(found=False)
+        if not await wait_finished(job, self.abort_timeout_s):
+            raise PrefillTimeout(f"the writes of {request.request_id} did not complete within "
+                                 f"{self.abort_timeout_s:g}s of the abort")
+        return pb.AbortResponse(found=True)
 
-    def Stats(self, request, context):
+    @unary
+    async def Stats(self, request, context):
         counters = dict(self.worker.metrics)
         es = self.res.transfer.stats()
         counters.update(kv_writes_posted=es.writes_posted, kv_bytes_posted=es.bytes_posted,
-                        peers_lost=es.peers_lost)
+                        peers_lost=es.peers_lost, loop_errors=sum(w.errors for w in self.worker.watches))
         return pb.StatsResponse(load=self.load(), counters={k: float(v) for k, v in counters.items()})
 
-    def Drain(self, request, context):
+    @unary
+    async def Drain(self, request, context):
         self.worker.drain(0.0)
         return pb.DrainResponse()
 
     def load(self) -> pb.LoadStats:
-        free, total, queued, queued_tokens, draining = self.worker.load()
-        return pb.LoadStats(free_blocks=free, total_blocks=total, waiting=queued,
-                            queued_prompt_tokens=queued_tokens, draining=draining)
+        p = self.worker.load()
+        problem = check(self.worker.watches)
+        return pb.LoadStats(free_blocks=p.free_blocks, total_blocks=p.total_blocks, waiting=p.jobs,
+                            queued_prompt_tokens=p.queued_prompt_tokens, draining=p.draining,
+                            unhealthy=problem is not None, unhealthy_reason=problem or "")
 
     def drain(self, timeout_s: float) -> None:
         self.worker.drain(timeout_s)

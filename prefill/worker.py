@@ -1,111 +1,71 @@
 """The prefill worker's core: batch waiting prompts, chunk long ones, post KV writes layer by layer.
 
-Lifecycle of a job:
+Lifecycle of a job (states in `prefill.job`):
 
-    submit      QUEUED: waits for source blocks (the local pool) and a place in a batch
+    submit      arguments checked (nothing changes when they are wrong); QUEUED: waits for source
+                blocks (the local pool) and a place in a batch
     compute     COMPUTING: the ``prefill-loop`` thread runs forward passes; a prompt longer than
                 ``max_num_batched_tokens`` takes several passes (chunks). In the pass that holds
                 the prompt's LAST chunk, as each layer finishes, the writes of that layer (K and V
                 of every block, planned by `kvtransfer.plan_writes`, each carrying the immediate
                 (slot, generation)) are posted to the decode worker. The first token is sampled.
-    transfer    TRANSFERRING: the submitting thread waits for every posted write to complete
-    done        DONE / FAILED / ABORTED: the source blocks are freed only now, after every posted
-                write completed or failed (the engine no longer reads them).
+    transfer    TRANSFERRING: the ``prefill-sender`` thread waits for every posted write to
+                complete
+    done        DONE / FAILED: the source blocks are freed only now, after every posted write
+                completed or failed (the engine no longer reads them); the job is finished and
+                its done callbacks run.
 
 ``num_writes`` is the count of the deterministic plan over all layers, so it equals the number of
-immediates the decode worker will count. Every job has a lease (``prefill_timeout_s``): past it
-the job fails with `PrefillTimeout`. An aborted job stops posting at the next layer; `abort`
-returns once its posted writes completed, which is the "abort acknowledged" the decode side's
-block-reuse rule relies on.
+immediates the decode worker will count. Every job has a lease: ``prefill_timeout_s`` from submit,
+shortened to the ``write_deadline_s`` the router passes (what is left of the decode reservation);
+no write is posted past it, and a job still queued then fails with `PrefillTimeout`. An aborted or
+failed job stops posting at the next layer; it is finished once its posted writes completed,
+which is the "abort acknowledged" the decode side's block-reuse rule relies on. A failure of one
+job (its plan, its sampling, its peer) never fails its batch-mates.
+
+Threads: ``prefill-loop`` (scheduling and forward passes) and ``prefill-sender`` (transfer
+completion and retirement); RPC callers never block: they get the job and a done callback.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
+import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
-from engine.ids import BlockId
 from engine.kv_cache import blocks_needed
-from engine.sampling import SamplingParams, sample
-from kvtransfer import (KVLayout, KVTransferError, PeerId, TransferError, WriteHandle, count_writes,
-                        pack_immediate, plan_writes, to_write_ops)
+from engine.sampling import SamplingError, SamplingParams, sample
+from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, pack_immediate,
+                        plan_writes, to_write_ops)
+from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
+from prefill.job import DecodePeer, JobState, PrefillJob
+from worker.errors import DrainingError, PrefillAborted, PrefillError, PrefillTimeout
+from worker.liveness import LoopWatch
 from worker.runtime import WorkerResources
+from worker.validate import check_request_id, check_seconds
 
 log = logging.getLogger(__name__)
 
-
-class PrefillError(Exception):
-    """A prefill job could not complete (the message says why)."""
-
-
-class PrefillTimeout(PrefillError):
-    """The job's lease expired."""
-
-
-class PrefillAborted(PrefillError):
-    """The job was aborted."""
-
-
-class JobState(enum.IntEnum):
-    QUEUED = 0
-    COMPUTING = 1
-    TRANSFERRING = 2
-    DONE = 3
-    FAILED = 4
+_TRANSFER_GRACE_S = 10.0   # how long past its lease the sender waits for a job's posted writes
 
 
 @dataclass(frozen=True)
-class DecodePeer:
-    """A connected decode worker: engine peer id, its pool layout and region key."""
+class PrefillLoad:
+    """A prefill worker's load: blocks, jobs in flight, prompt tokens not yet computed."""
 
-    peer: PeerId
-    layout: KVLayout
-    remote_key: int
-
-
-@dataclass
-class PrefillJob:
-    """One request's prefill + KV transfer."""
-
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    peer: DecodePeer
-    dst_blocks: list[int]
-    slot: int
-    generation: int
-    deadline: float
-    state: JobState = JobState.QUEUED
-    src_blocks: list[BlockId] = field(default_factory=list)
-    num_computed: int = 0
-    first_token: int | None = None
-    num_writes: int = 0
-    bytes_posted: int = 0
-    handles: list[WriteHandle] = field(default_factory=list)
-    aborted: bool = False
-    error: Exception | None = None
-    computed: threading.Event = field(default_factory=threading.Event)
-    finished: threading.Event = field(default_factory=threading.Event)
-    compute_seconds: float = 0.0
-    transfer_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    num_writes: int
-    bytes_written: int
-    compute_seconds: float
-    transfer_seconds: float
+    free_blocks: int
+    total_blocks: int
+    jobs: int
+    queued_prompt_tokens: int
+    draining: bool
 
 
 class PrefillWorker:
@@ -117,16 +77,22 @@ class PrefillWorker:
         self._lock = threading.Condition()
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}
+        self._sending: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()
         self._draining = False
         self._stop = threading.Event()
         self.metrics = {"prefills_completed": 0, "prefills_failed": 0, "prefills_aborted": 0,
-                        "kv_bytes_sent": 0, "kv_writes_posted": 0, "prompt_tokens": 0}
+                        "kv_bytes_sent": 0, "prompt_tokens": 0}
+        self.watches = (LoopWatch("prefill-loop"), LoopWatch("prefill-sender", stall_s=float("inf")))
         self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
-        self._thread.start()
+        self._sender = threading.Thread(target=self._send_loop, name="prefill-sender", daemon=True)
+        for watch, thread in zip(self.watches, (self._thread, self._sender)):
+            watch.attach(thread)
+            thread.start()
 
     # -- peers ------------------------------------------------------------------------------------
     def connect(self, decode_worker_id: str, info) -> None:
-        """Connect the data plane to a decode worker described by ``info`` (`EndpointInfo`)."""
+        """Connect the data plane to a decode worker described by ``info`` (`EndpointInfo`).
+        Raises `TransferError` (no region, layout mismatch, unreachable), `AuthError`."""
         if not info.regions:
             raise TransferError(f"decode worker {decode_worker_id} registered no memory")
         region = info.regions[0]
@@ -146,39 +112,42 @@ class PrefillWorker:
             self.res.transfer.disconnect(p.peer)
 
     # -- jobs --------------------------------------------------------------------------------------
-    def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams, decode_worker_id: str,
-                dst_blocks: list[int], slot: int, generation: int) -> PrefillResult:
-        """Run one job to completion (blocks the caller). Raises InvalidRequestError, PrefillError,
-        CapacityError (prompt larger than the whole local pool), KVTransferError."""
-        job = self._submit(request_id, token_ids, params, decode_worker_id, dst_blocks, slot, generation)
-        try:
-            if not job.computed.wait(max(0.0, job.deadline - time.monotonic())):
-                self._abort_job(job, PrefillTimeout(f"prefill of {request_id} exceeded its lease"))
-                job.computed.wait()
-            self._wait_transfer(job)
-            if job.error is not None:
-                raise job.error
-            return PrefillResult(job.first_token, job.num_writes, job.bytes_posted, job.compute_seconds,
-                                 job.transfer_seconds)
-        finally:
-            self._retire(job)
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, decode_worker_id: str,
+               dst_blocks: list[int], slot: int, generation: int, write_deadline_s: float = 0.0) -> PrefillJob:
+        """Check the arguments, then queue a job; returns at once (see `PrefillJob` for how the
+        outcome arrives).
 
-    def _submit(self, request_id, token_ids, params, decode_worker_id, dst_blocks, slot, generation) -> PrefillJob:
+        Raises (nothing queued): InvalidRequestError (prompt, sampling, block ids not distinct
+        or outside the peer's pool, wrong block count, slot/generation out of range, bad
+        deadline, duplicate id), CapacityError (prompt larger than the whole local pool),
+        DrainingError, PrefillError (decode peer not connected).
+        """
         c = self.res.loaded.config
+        check_request_id(request_id)
+        check_seconds("write_deadline_s", write_deadline_s)
         validate_request(token_ids, params, c.max_position, c.vocab_size)
+        if not 0 <= slot < MAX_SLOTS or not 0 <= generation < GENERATION_MODULUS:
+            raise InvalidRequestError(f"slot {slot} / generation {generation} out of range")
         peer = self.peers.get(decode_worker_id)
         if peer is None:
-            raise InvalidRequestError(f"not connected to decode worker {decode_worker_id!r}")
+            raise PrefillError(f"not connected to decode worker {decode_worker_id!r}")
         need = blocks_needed(len(token_ids), self.res.pool.block_size)
         if len(dst_blocks) != need:
             raise InvalidRequestError(f"{len(dst_blocks)} destination blocks for a prompt needing {need}")
+        if len(set(dst_blocks)) != len(dst_blocks):
+            raise InvalidRequestError("destination block ids are not distinct")
+        if any(not 0 <= b < peer.layout.num_blocks for b in dst_blocks):
+            raise InvalidRequestError(f"destination block ids outside the decode pool [0, {peer.layout.num_blocks})")
         if need > self.res.pool.num_blocks:
             raise CapacityError(f"prompt needs {need} blocks; the prefill pool holds {self.res.pool.num_blocks}")
+        lease = self.res.config.prefill_timeout_s
+        if write_deadline_s > 0:
+            lease = min(lease, write_deadline_s)
         job = PrefillJob(request_id, list(token_ids), params, peer, list(dst_blocks), slot, generation,
-                         time.monotonic() + self.res.config.prefill_timeout_s)
+                         time.monotonic() + lease)
         with self._lock:
             if self._draining:
-                raise PrefillError("prefill worker is draining")
+                raise DrainingError("prefill worker is draining")
             if request_id in self._jobs:
                 raise InvalidRequestError(f"request {request_id!r} is already being prefilled")
             self._jobs[request_id] = job
@@ -186,54 +155,26 @@ class PrefillWorker:
             self._lock.notify_all()
         return job
 
-    def _wait_transfer(self, job: PrefillJob) -> None:
-        t0 = time.monotonic()
-        for h in job.handles:
-            try:
-                self.res.transfer.wait(h, timeout_s=max(0.1, job.deadline - time.monotonic()))
-            except KVTransferError as exc:
-                if job.error is None:
-                    job.error = exc
-        job.transfer_seconds = time.monotonic() - t0
-
-    def _retire(self, job: PrefillJob) -> None:
-        with self._lock:
-            if job.src_blocks:
-                self.res.pool.allocator.free(job.src_blocks)
-                job.src_blocks = []
-            job.state = JobState.FAILED if job.error else JobState.DONE
-            self._jobs.pop(job.request_id, None)
-            key = "prefills_failed" if job.error and not job.aborted else (
-                "prefills_aborted" if job.aborted else "prefills_completed")
-            self.metrics[key] += 1
-            job.finished.set()
-            self._lock.notify_all()
-
-    def abort(self, request_id: str, timeout_s: float = 30.0) -> bool:
-        """Abort a job; returns once its posted writes completed (False if unknown)."""
+    def abort(self, request_id: str) -> PrefillJob | None:
+        """Stop a job (it posts no more writes); returns it (wait on ``job.finished``: set once
+        its posted writes completed), or None if unknown. Never blocks."""
         with self._lock:
             job = self._jobs.get(request_id)
-        if job is None:
-            return False
-        self._abort_job(job, PrefillAborted(f"request {request_id} aborted"))
-        job.finished.wait(timeout_s)
-        return True
-
-    def _abort_job(self, job: PrefillJob, error: PrefillError) -> None:
-        with self._lock:
-            job.aborted = True
-            if job.error is None:
-                job.error = error
-            if job.state == JobState.QUEUED and job in self._queue:
+            if job is None:
+                return None
+            job.fail(PrefillAborted(f"request {request_id} aborted"))
+            queued = job.state == JobState.QUEUED
+            if queued:
                 self._queue.remove(job)
-                job.computed.set()
+        if queued:
+            self._retire(job)
+        return job
 
-    def load(self) -> tuple[int, int, int, int, bool]:
-        """(free_blocks, total_blocks, queued jobs, queued prompt tokens, draining)."""
+    def load(self) -> "PrefillLoad":
         with self._lock:
             queued = sum(len(j.token_ids) - j.num_computed for j in self._queue)
-            return (self.res.pool.allocator.num_free, self.res.pool.num_blocks, len(self._jobs), queued,
-                    self._draining)
+            return PrefillLoad(self.res.pool.allocator.num_free, self.res.pool.num_blocks, len(self._jobs),
+                               queued, self._draining)
 
     def drain(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -243,20 +184,69 @@ class PrefillWorker:
                 self._lock.wait(0.2)
 
     def close(self) -> None:
+        """Fail queued jobs, stop and join both threads."""
         self._stop.set()
         with self._lock:
-            for job in list(self._queue):
-                job.error = job.error or PrefillError("prefill worker closed")
-                job.computed.set()
+            queued = list(self._queue)
             self._queue.clear()
             self._lock.notify_all()
+        for job in queued:
+            job.fail(PrefillError("prefill worker closed"))
+            self._retire(job)
         self._thread.join(timeout=30)
+        self._sending.put(None)
+        self._sender.join(timeout=30)
+        for w in self.watches:
+            w.stopped()
+
+    # -- retirement ---------------------------------------------------------------------------------
+    def _retire(self, job: PrefillJob) -> None:
+        """Free the job's source blocks, account it, finish it (its writes are all complete)."""
+        with self._lock:
+            if job.src_blocks:
+                self.res.pool.allocator.free(job.src_blocks)
+                job.src_blocks = []
+            job.move(JobState.FAILED if job.error else JobState.DONE)
+            self._jobs.pop(job.request_id, None)
+            key = ("prefills_aborted" if job.aborted else "prefills_failed" if job.error
+                   else "prefills_completed")
+            self.metrics[key] += 1
+            self._lock.notify_all()
+        job.set_finished()
+
+    def _send_loop(self) -> None:
+        watch = self.watches[1]
+        while (job := self._sending.get()) is not None:
+            watch.tick()
+            with watch.guard(f"completing {job.request_id}"):
+                t0 = time.monotonic()
+                for h in job.handles:
+                    left = job.deadline + _TRANSFER_GRACE_S - time.monotonic()
+                    try:
+                        self.res.transfer.wait(h, timeout_s=max(0.1, left))
+                    except KVTransferError as exc:
+                        job.fail(exc)
+                job.transfer_seconds = time.monotonic() - t0
+            with watch.guard(f"retiring {job.request_id}"):
+                self._retire(job)
 
     # -- the loop ------------------------------------------------------------------------------------
+    def _expire_queued(self) -> list[PrefillJob]:
+        now = time.monotonic()
+        expired = [j for j in self._queue if now >= j.deadline]
+        for job in expired:
+            self._queue.remove(job)
+            job.fail(PrefillTimeout(f"prefill of {job.request_id} waited past its lease"))
+        return expired
+
     def _schedule(self) -> list[tuple[PrefillJob, SeqChunk]]:
         budget = self.res.config.max_num_batched_tokens
         batch = []
         for job in list(self._queue):
+            if job.stopped:   # aborted or failed between passes: retire it, compute no more
+                self._queue.remove(job)
+                self._sending.put(job)
+                continue
             if budget <= 0:
                 break
             if not job.src_blocks:
@@ -264,7 +254,7 @@ class PrefillWorker:
                 if not self.res.pool.allocator.can_allocate(need):
                     break
                 job.src_blocks = self.res.pool.allocator.allocate(need)
-                job.state = JobState.COMPUTING
+                job.move(JobState.COMPUTING)
             take = min(len(job.token_ids) - job.num_computed, budget)
             end = job.num_computed + take
             last = end == len(job.token_ids)
@@ -276,54 +266,59 @@ class PrefillWorker:
         return batch
 
     def _loop(self) -> None:
+        watch = self.watches[0]
         while not self._stop.is_set():
-            with self._lock:
-                now = time.monotonic()
-                for job in [j for j in self._queue if now >= j.deadline]:
-                    self._queue.remove(job)
-                    job.error = job.error or PrefillTimeout(f"prefill of {job.request_id} exceeded its lease")
-                    job.computed.set()
-                batch = self._schedule()
-                if not batch:
-                    self._lock.wait(0.25)
-                    continue
+            watch.tick()
+            batch: list = []
+            with watch.guard("scheduling"):
+                with self._lock:
+                    for job in self._expire_queued():
+                        self._sending.put(job)   # no handles: retired at once, off this lock
+                    batch = self._schedule()
+                    if not batch:
+                        self._lock.wait(0.25)
+            if not batch:
+                continue
             try:
                 self._run(batch)
-            except Exception as exc:  # fail the batch's jobs, keep serving
+            except Exception as exc:  # the forward pass itself failed: fail the batch, keep serving
                 log.exception("prefill pass failed")
-                for job, _ in batch:
-                    job.error = job.error or PrefillError(f"prefill failed: {exc}")
-                    with self._lock:
+                with self._lock:
+                    for job, _ in batch:
+                        job.fail(PrefillError(f"prefill failed: {exc}"))
                         if job in self._queue:
                             self._queue.remove(job)
-                    job.computed.set()
+                for job, _ in batch:
+                    self._sending.put(job)
+
+    def _post_layer(self, layer: int, finishing: list[PrefillJob]) -> None:
+        """Post this layer's writes of every finishing job; a job's failure stops it alone."""
+        if self.res.pool.kv.is_cuda:  # the layer's K/V must be in memory before the NIC reads them
+            torch.cuda.current_stream().synchronize()
+        now = time.monotonic()
+        for job in finishing:
+            if job.stopped:
+                continue
+            if now >= job.deadline:
+                job.fail(PrefillTimeout(f"prefill of {job.request_id} passed its lease while computing"))
+                continue
+            try:
+                plan = plan_writes(self.res.layout, job.peer.layout, job.src_blocks, job.dst_blocks,
+                                   self.res.config.max_write_bytes, layers=[layer])
+                ops = to_write_ops(plan, self.res.region, job.peer.remote_key,
+                                   pack_immediate(job.slot, job.generation))
+                job.handles.append(self.res.transfer.post_writes(job.peer.peer, ops))
+            except (KVTransferError, ValueError) as exc:
+                job.fail(exc)
+                continue
+            job.bytes_posted += sum(op.length for op in ops)
 
     def _run(self, batch: list[tuple[PrefillJob, SeqChunk]]) -> None:
         t0 = time.monotonic()
         fb = ForwardBatch.build([c for _, c in batch], self.res.pool.block_size)
         finishing = [job for job, chunk in batch if chunk.need_logits]
-
-        on_gpu = self.res.pool.kv.is_cuda
-
-        def post_layer(layer: int) -> None:
-            if on_gpu:  # the layer's K/V must be in memory before the NIC reads them
-                torch.cuda.current_stream().synchronize()
-            for job in finishing:
-                if job.aborted:
-                    continue
-                plan = plan_writes(self.res.layout, job.peer.layout, job.src_blocks, job.dst_blocks,
-                                   self.res.config.max_write_bytes, layers=[layer])
-                ops = to_write_ops(plan, self.res.region, job.peer.remote_key,
-                                   pack_immediate(job.slot, job.generation))
-                try:
-                    job.handles.append(self.res.transfer.post_writes(job.peer.peer, ops))
-                except KVTransferError as exc:
-                    job.error = job.error or exc
-                    job.aborted = True
-                    continue
-                job.bytes_posted += sum(op.length for op in ops)
-
-        logits = self.res.loaded.model.forward(fb, self.res.pool, on_layer_done=post_layer if finishing else None)
+        on_layer = (lambda layer: self._post_layer(layer, finishing)) if finishing else None
+        logits = self.res.loaded.model.forward(fb, self.res.pool, on_layer_done=on_layer)
         tokens = sample(logits, [j.params for j in finishing], [j.params.make_generator() for j in finishing])
         elapsed = time.monotonic() - t0
         with self._lock:
@@ -331,12 +326,17 @@ class PrefillWorker:
                 job.num_computed += len(chunk.token_ids)
                 job.compute_seconds += elapsed
             for job, token in zip(finishing, tokens):
-                job.first_token = token
-                job.num_writes = count_writes(self.res.layout, job.peer.layout, job.src_blocks, job.dst_blocks,
-                                              self.res.config.max_write_bytes)
+                if isinstance(token, SamplingError):
+                    job.fail(PrefillError(f"sampling the first token failed: {token}"))
+                else:
+                    job.first_token = token
+                if not job.stopped:
+                    job.num_writes = count_writes(self.res.layout, job.peer.layout, job.src_blocks,
+                                                  job.dst_blocks, self.res.config.max_write_bytes)
                 self.metrics["kv_bytes_sent"] += job.bytes_posted
                 self.metrics["prompt_tokens"] += len(job.token_ids)
-                job.state = JobState.TRANSFERRING
                 if job in self._queue:
                     self._queue.remove(job)
-                job.computed.set()
+                job.move(JobState.TRANSFERRING)
+        for job in finishing:
+            self._sending.put(job)

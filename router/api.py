@@ -8,9 +8,13 @@ colocated and auto serving modes one decode worker, else 503),
 ``Stats``).
 
 Every error is an OpenAI body ``{"error": {"message", "type", "param", "code"}}``: validation
-problems (malformed JSON included) are 400, an unknown model 404, no workers or no capacity 503.
-A streamed request fails with an HTTP status when it fails before its first token; after that
-the error arrives as a ``data: {"error": ...}`` event before ``[DONE]``.
+problems (malformed JSON, values out of range, text that is not valid Unicode) are 400, a body
+over ``max_request_bytes`` 413, an unknown model 404, no workers or no capacity 503 with
+``Retry-After`` (a full admission queue answers at once, `router.admission`), workers failing a
+request on every attempt 502. A streamed request fails with an HTTP status when it fails before
+its first token; after that the error arrives as a ``data: {"error": ...}`` event before
+``[DONE]``. Prompts are refused before tokenizing when even their byte length shows they cannot
+fit the context; chat templates render and long texts tokenize off the event loop.
 """
 
 from __future__ import annotations
@@ -28,15 +32,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.errors import InvalidRequestError
 from router.config import RouterConfig
-from router.errors import InvalidRequest, ModelNotFound, RouterError
+from router.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, RequestTooLarge, RouterError
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.orchestrator import Delta, GenerationRequest, Orchestrator
 from router.policy import make_policy
 from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest, chat_messages,
-                             check_lengths, prompt_of, requested_max_tokens, stop_strings,
-                             validate_sampling)
+                             check_lengths, check_unicode, effective_temperature, prompt_of,
+                             requested_max_tokens, stop_strings, validate_sampling)
 from router.responses import Shape, error_body, router_error_body, sse
 from router.serving import healthy
 
@@ -76,6 +81,7 @@ def create_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_request_bytes)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -160,16 +166,18 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
     validate_sampling(body)
     tk = state.tokenizer
     if chat:
-        from engine.errors import InvalidRequestError
-
+        messages = chat_messages(body)
+        _check_fits(state, sum(tk.min_tokens(m["content"]) for m in messages), "messages")
         try:
-            text = tk.apply_chat_template(chat_messages(body))
+            text = await asyncio.to_thread(tk.apply_chat_template, messages)
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         ids = await _encode(tk, text)
     else:
         prompt = prompt_of(body)
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
+            _check_fits(state, tk.min_tokens(prompt), "prompt")
             ids = await _encode(tk, prompt)
         else:
             ids = list(prompt)
@@ -183,17 +191,28 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req = GenerationRequest(
         request_id=rid, prompt_token_ids=tuple(ids), max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=effective_temperature(body),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k, seed=body.seed,
         stop=stop_strings(body), ignore_eos=body.ignore_eos)
     return req, Shape.new(chat, rid, cfg.served_model_name)
 
 
+def _check_fits(state: RouterState, min_tokens: int, param: str) -> None:
+    """Refuse, before tokenizing, a text whose lower bound of tokens already fills the context."""
+    if min_tokens >= state.context_length:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {state.context_length} tokens; the {param} "
+            f"has at least {min_tokens} tokens", param=param)
+
+
 async def _encode(tk, text: str) -> list[int]:
-    if len(text) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(tk.encode, text)
-    return tk.encode(text)
+    try:
+        if len(text) > _OFFLOAD_CHARS:
+            return await asyncio.to_thread(tk.encode, text)
+        return tk.encode(text)
+    except InvalidRequestError as exc:
+        raise InvalidRequest(str(exc), param="prompt") from exc
 
 
 async def _timed(state: RouterState, deltas: AsyncIterator[Delta], arrived: float,
@@ -265,7 +284,7 @@ async def _stream(state: RouterState, shape: Shape, first: Delta, deltas: AsyncI
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError):
-        return JSONResponse(router_error_body(exc), status_code=exc.status)
+        return JSONResponse(router_error_body(exc), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -281,6 +300,50 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.exception("internal error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {exc}", "server_error", None,
                                        "internal_error"), status_code=500)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` (declared or streamed) gets 413 with an
+    OpenAI error body before the app sees it; smaller bodies are read once and replayed."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(scope, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":   # the client went away while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._reject(scope, send)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()   # then disconnects, for streamed responses
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope, send) -> None:
+        exc = RequestTooLarge(f"the request body exceeds {self.max_bytes} bytes")
+        await JSONResponse(router_error_body(exc), status_code=exc.status)(scope, _no_receive, send)
+
+
+async def _no_receive() -> dict:
+    return {"type": "http.disconnect"}
 
 
 def _validation_body(errors) -> dict:

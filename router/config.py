@@ -38,8 +38,15 @@ class RouterConfig:
         heartbeat_interval_s: how often workers are told to heartbeat (seconds).
         dead_after_s: a worker silent for this long is declared dead (seconds, > interval).
         policy: ``"load"`` (free KV blocks / queued prompt tokens) or ``"round_robin"``.
-        reserve_timeout_s: how long a request may wait for KV blocks on some decode worker,
-            queueing included, before it fails with 503 (seconds).
+        max_waiting_requests: requests that may wait in the admission queue for capacity
+            (`router.admission`); one more is refused at once with 503 + ``Retry-After``.
+        queue_timeout_s: longest wait in the admission queue before a 503 (seconds).
+        prefill_inflight_tokens: prompt tokens this router keeps in flight on one prefill worker
+            (queued there or computing); a request waits at the router beyond it, so the
+            prefill queue (and every reservation's wait for its KV) stays short. A prompt
+            longer than this is sent when the worker has nothing in flight.
+        decode_inflight_requests: colocated path: Generate calls in flight per decode worker.
+        max_request_bytes: largest HTTP request body accepted (413 beyond it).
         prefill_timeout_s: deadline of one Prefill call, compute and transfer (seconds).
         decode_timeout_s: deadline of one whole Decode stream (seconds).
         decode_stall_s: longest gap between two streamed token chunks (seconds).
@@ -74,7 +81,11 @@ class RouterConfig:
     heartbeat_interval_s: float = 1.0
     dead_after_s: float = 5.0
     policy: str = "load"
-    reserve_timeout_s: float = 30.0
+    max_waiting_requests: int = 256
+    queue_timeout_s: float = 300.0
+    prefill_inflight_tokens: int = 8192
+    decode_inflight_requests: int = 256
+    max_request_bytes: int = 4 << 20
     prefill_timeout_s: float = 60.0
     decode_timeout_s: float = 600.0
     decode_stall_s: float = 60.0
@@ -113,7 +124,12 @@ class RouterConfig:
         if self.dead_after_s <= self.heartbeat_interval_s:
             raise ValueError(f"dead_after_s ({self.dead_after_s}) must exceed "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
-        for name in ("reserve_timeout_s", "prefill_timeout_s", "decode_timeout_s",
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        for name in ("prefill_inflight_tokens", "decode_inflight_requests", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("queue_timeout_s", "prefill_timeout_s", "decode_timeout_s",
                      "decode_stall_s", "rpc_timeout_s", "broker_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

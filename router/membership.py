@@ -9,7 +9,8 @@ Lifecycle of a member (one transition function, `transition`):
 A decode member of a table built with ``standalone_decode`` (colocated / auto serving modes,
 `router.serving`) starts CONNECTED: it can serve ``Generate`` without any prefill peer.
 
-Only CONNECTED members are routable. GONE is absorbing: the member is removed from the table
+Only CONNECTED members whose last heartbeat reports no dead or stalled loop
+(``LoadStats.unhealthy``, `worker.liveness`) are routable. GONE is absorbing: the member is removed from the table
 and a worker that comes back registers as a new member (a new ``epoch``).
 
 Thread safety: every method takes the table's lock; the registry's gRPC threads, the broker and
@@ -68,11 +69,13 @@ class Load:
     queued_prompt_tokens: int = 0
     draining: bool = False
     reserved_blocks: int = 0
+    unhealthy: bool = False
+    unhealthy_reason: str = ""
 
     @classmethod
     def from_pb(cls, m: pb.LoadStats) -> "Load":
         return cls(m.free_blocks, m.total_blocks, m.running, m.waiting, m.queued_prompt_tokens,
-                   m.draining, m.reserved_blocks)
+                   m.draining, m.reserved_blocks, m.unhealthy, m.unhealthy_reason)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class Member:
 
     @property
     def routable(self) -> bool:
-        return self.state == WorkerState.CONNECTED
+        """CONNECTED and its last heartbeat did not report a dead or stalled loop."""
+        return self.state == WorkerState.CONNECTED and not self.load.unhealthy
 
     def as_json(self) -> dict:
         return {"id": self.worker_id, "role": self.role, "state": self.state.name,

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict
 from router.errors import ContextLengthExceeded, InvalidRequest
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_TOP_K = 2**31 - 1                # the wire's int32; any k >= the vocabulary disables top-k
+GREEDY_BELOW = 1e-5                  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -87,7 +90,8 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
-    """Messages as ``[{"role", "content": str}]`` for the chat template. Raises `InvalidRequest`."""
+    """Messages as ``[{"role", "content": str}]`` for the chat template. Raises `InvalidRequest`
+    (no messages, non-text parts, text that is not valid Unicode)."""
     if not req.messages:
         raise InvalidRequest("'messages' is required and must not be empty", param="messages")
     out = []
@@ -101,29 +105,51 @@ def chat_messages(req: ChatRequest) -> list[dict]:
                                          param=f"messages.{i}.content")
                 texts.append(part.text)
             content = "".join(texts)
+        check_unicode(m.role, f"messages.{i}.role")
+        check_unicode(content or "", f"messages.{i}.content")
         out.append({"role": m.role, "content": content or ""})
     return out
 
 
+def check_unicode(text: str, param: str) -> None:
+    """Raise `InvalidRequest` unless ``text`` is valid Unicode (JSON lets a lone surrogate such
+    as ``"\\ud800"`` through; no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{param} is not valid Unicode: {exc.reason} at position {exc.start}",
+                             param=param) from exc
+
+
 def validate_sampling(req: _SamplingFields) -> None:
-    """Range checks shared by both endpoints. Raises `InvalidRequest` naming the field."""
+    """Range checks shared by both endpoints. Raises `InvalidRequest` naming the field.
+
+    NaN and infinities fail every range check (JSON's ``NaN``/``Infinity`` are accepted by the
+    parser). A temperature below `GREEDY_BELOW` is valid and means greedy (`effective_temperature`).
+    """
     if req.n not in (None, 1):
         raise InvalidRequest("only n=1 is supported", param="n")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise InvalidRequest(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise InvalidRequest(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
-    if req.top_k is not None and req.top_k < -1:
-        raise InvalidRequest(f"top_k must be -1, 0 or positive, got {req.top_k}", param="top_k")
+    if req.top_k is not None and not -1 <= req.top_k <= MAX_TOP_K:
+        raise InvalidRequest(f"top_k must be -1, 0 or in [1, {MAX_TOP_K}], got {req.top_k}", param="top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidRequest(f"seed must be in [0, 2**63), got {req.seed}", param="seed")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
         if value is not None and value != 0.0:
             raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
+        check_unicode(s, "stop")
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
             raise InvalidRequest("only best_of=1 is supported", param="best_of")
@@ -135,6 +161,13 @@ def validate_sampling(req: _SamplingFields) -> None:
             raise InvalidRequest("suffix is not supported", param="suffix")
     if isinstance(req, ChatRequest) and req.logprobs:
         raise InvalidRequest("logprobs are not supported", param="logprobs")
+
+
+def effective_temperature(req: _SamplingFields) -> float:
+    """The temperature sent to the workers: 1.0 when absent, 0.0 (greedy) below `GREEDY_BELOW`."""
+    if req.temperature is None:
+        return 1.0
+    return 0.0 if req.temperature < GREEDY_BELOW else req.temperature
 
 
 def stop_strings(req: _SamplingFields) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ def load_tokenizer(model: str | None):
     """
     from engine.errors import ModelLoadError
     from engine.tokenizer import Tokenizer
-    from engine.weights import resolve_model_path
+    from engine.modelfile import resolve_model_path
 
     path = resolve_model_path(model)
     tokenizer = Tokenizer.from_file(path)

@@ -63,6 +63,33 @@ class ServerAuthInterceptor(grpc.ServerInterceptor):
         return self._deny_unary
 
 
+class AioServerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """`ServerAuthInterceptor` for ``grpc.aio`` servers (the worker services)."""
+
+    def __init__(self, secret: bytes):
+        self._token = control_token(secret).encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+            yield  # pragma: no cover - makes this an async generator
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        md = dict(handler_call_details.invocation_metadata or ())
+        got = md.get(TOKEN_HEADER, "")
+        handler = await continuation(handler_call_details)
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._token):
+            return handler
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
 class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, token: str):
         self._md = ((TOKEN_HEADER, token),)

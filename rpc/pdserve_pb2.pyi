@@ -59,7 +59,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., model_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transfer_engine: _Optional[str] = ...) -> None: ...
 
 class LoadStats(_message.Message):
-    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "queued_prompt_tokens", "draining", "reserved_blocks")
+    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "queued_prompt_tokens", "draining", "reserved_blocks", "unhealthy", "unhealthy_reason")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class LoadStats(_message.Message):
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
     free_blocks: int
     total_blocks: int
     running: int
@@ -74,7 +76,9 @@ class LoadStats(_message.Message):
     queued_prompt_tokens: int
     draining: bool
     reserved_blocks: int
-    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
+    unhealthy: bool
+    unhealthy_reason: str
+    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., unhealthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
@@ -196,7 +200,7 @@ class DrainResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "decode_worker_id", "block_ids", "slot", "generation")
+    __slots__ = ("request_id", "token_ids", "sampling", "decode_worker_id", "block_ids", "slot", "generation", "write_deadline_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +208,7 @@ class PrefillRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -211,7 +216,8 @@ class PrefillRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slot: int
     generation: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    write_deadline_s: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., write_deadline_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "num_writes", "bytes_written", "prefill_seconds", "transfer_seconds")
@@ -238,14 +244,16 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "slot", "generation")
+    __slots__ = ("block_ids", "slot", "generation", "lease_s")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slot: int
     generation: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token", "num_writes", "sampling", "prompt_token_ids")

@@ -24,7 +24,7 @@ def smollm():
 def hf_model():
     """Hugging Face transformers' Llama loaded from the same GGUF file (float32), the reference."""
     transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
-    from engine.weights import default_model_path
+    from engine.modelfile import default_model_path
 
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(

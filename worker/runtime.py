@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -27,10 +26,11 @@ from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, Tr
                         allocate_shared_buffer, create_engine)
 from kvtransfer.endpoint import local_host_id
 from rpc import PROTOCOL_VERSION
-from rpc.auth import ServerAuthInterceptor, TLSFiles
+from rpc.auth import TLSFiles
 from rpc import pdserve_pb2 as pb
 from worker.config import WorkerConfig
 from worker.registration import RegistrationClient
+from worker.rpcserver import AioServer
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
 class WorkerService(Protocol):
     """What `serve` needs from a role's service object."""
 
-    def add_to_server(self, server: grpc.Server) -> None: ...
+    def add_to_server(self, server: grpc.aio.Server) -> None: ...
     def load(self) -> pb.LoadStats: ...
     def drain(self, timeout_s: float) -> None: ...
     def close(self) -> None: ...
@@ -104,33 +104,36 @@ def worker_info(res: WorkerResources, address: str) -> pb.WorkerInfo:
 
 
 class WorkerServer:
-    """A running worker: gRPC server + registration. `stop` drains and shuts everything down."""
+    """A running worker: gRPC server (`worker.rpcserver.AioServer`) + registration. `stop` drains
+    and shuts everything down."""
 
-    def __init__(self, res: WorkerResources, service: WorkerService, max_rpc_threads: int = 64):
+    def __init__(self, res: WorkerResources, service: WorkerService):
         self.res = res
         self.service = service
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_rpc_threads,
-                                                             thread_name_prefix=f"{res.config.role}-rpc"),
-                                  interceptors=[ServerAuthInterceptor(res.config.secret)])
-        service.add_to_server(self.server)
         c = res.config
         self.tls = TLSFiles(c.tls_cert, c.tls_key, c.tls_ca)
-        port = self.tls.add_port(self.server, f"{c.listen_host}:{c.listen_port}")
-        if port == 0:
-            raise OSError(f"cannot bind gRPC server to {c.listen}")
+        self.server = AioServer(c.role, f"{c.listen_host}:{c.listen_port}", service.add_to_server,
+                                c.secret, self.tls)
+        port = self.server.start()
         self.address = f"{c.host_for_peers}:{port}"
         self.stopped = threading.Event()
         self._closed = False
-        self.registration = RegistrationClient(c.router, worker_info(res, self.address), service.load,
+        self.registration = RegistrationClient(c.router, worker_info(res, self.address), self.load,
                                                c.heartbeat_interval_s, on_refused=self._refused,
                                                secret=c.secret, tls=self.tls)
+
+    def load(self) -> pb.LoadStats:
+        """The service's load, unhealthy too when the gRPC server thread is gone."""
+        load = self.service.load()
+        if not self.server.alive and not load.unhealthy:
+            load.unhealthy, load.unhealthy_reason = True, "gRPC server thread died"
+        return load
 
     def _refused(self, reason: str) -> None:
         log.error("registration refused: %s", reason)
         self.stopped.set()
 
     def start(self) -> None:
-        self.server.start()
         self.registration.start()
         log.info("%s worker %s serving on %s", self.res.config.role, self.res.config.worker_id, self.address)
 
@@ -141,7 +144,7 @@ class WorkerServer:
         self._closed = True
         self.service.drain(drain_timeout_s)
         self.registration.close(leave=True)
-        self.server.stop(grace=2.0).wait()
+        self.server.stop(grace_s=2.0)
         self.service.close()
         self.res.close()
         self.stopped.set()

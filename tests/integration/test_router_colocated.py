@@ -54,7 +54,7 @@ class ScriptedDecode(pbg.DecodeServicer):
 @pytest.fixture(scope="module")
 def tokenizer():
     from engine.tokenizer import Tokenizer
-    from engine.weights import resolve_model_path
+    from engine.modelfile import resolve_model_path
 
     return Tokenizer.from_file(resolve_model_path(None))
 

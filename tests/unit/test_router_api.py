@@ -18,7 +18,7 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def tokenizer():
     from engine.tokenizer import Tokenizer
-    from engine.weights import resolve_model_path
+    from engine.modelfile import resolve_model_path
 
     return Tokenizer.from_file(resolve_model_path(None))
 

@@ -77,7 +77,7 @@ def test_standalone_decode_members_are_routable_at_once():
 @pytest.mark.parametrize("mode,status", [("disaggregated", 503), ("colocated", 200), ("auto", 200)])
 def test_health_with_a_decode_worker_only(mode, status):
     from engine.tokenizer import Tokenizer
-    from engine.weights import resolve_model_path
+    from engine.modelfile import resolve_model_path
 
     membership = Membership(standalone_decode=mode != "disaggregated")
     membership.register(info("d0", pb.DECODE))

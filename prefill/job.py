@@ -1,0 +1,133 @@
+"""One prefill request's job: its state machine and how its outcome reaches the caller.
+
+States (one transition function, `PrefillJob.move`; FAILED and DONE are absorbing)::
+
+    QUEUED ──> COMPUTING ──> TRANSFERRING ──> DONE
+       │           │              │
+       └───────────┴──────────────┴──────> FAILED
+
+A job fails through `PrefillJob.fail` only (the first error wins; an aborted or failed job posts
+no more writes). It is *finished* once it is DONE or FAILED **and** every write it posted has
+completed: only then are its source blocks free and its done callbacks called, which is what
+"abort acknowledged" means to the decode side's block-reuse rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.ids import BlockId
+from engine.sampling import SamplingParams
+from kvtransfer import KVLayout, PeerId, WriteHandle
+from worker.errors import PrefillAborted
+
+
+class JobState(enum.IntEnum):
+    QUEUED = 0
+    COMPUTING = 1
+    TRANSFERRING = 2
+    DONE = 3
+    FAILED = 4
+
+
+_NEXT = {
+    JobState.QUEUED: {JobState.COMPUTING, JobState.FAILED},
+    JobState.COMPUTING: {JobState.TRANSFERRING, JobState.FAILED},
+    JobState.TRANSFERRING: {JobState.DONE, JobState.FAILED},
+    JobState.DONE: set(),
+    JobState.FAILED: set(),
+}
+
+
+@dataclass(frozen=True)
+class DecodePeer:
+    """A connected decode worker: engine peer id, its pool layout and region key."""
+
+    peer: PeerId
+    layout: KVLayout
+    remote_key: int
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A finished job: the first token, the writes the decode side must count, bytes, seconds."""
+
+    first_token: int
+    num_writes: int
+    bytes_written: int
+    compute_seconds: float
+    transfer_seconds: float
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """One request's prefill + KV transfer. ``deadline``: monotonic seconds by which every write
+    must be posted (its lease)."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    peer: DecodePeer
+    dst_blocks: list[int]
+    slot: int
+    generation: int
+    deadline: float
+    state: JobState = JobState.QUEUED
+    error: Exception | None = None
+    src_blocks: list[BlockId] = field(default_factory=list)
+    num_computed: int = 0
+    first_token: int | None = None
+    num_writes: int = 0
+    bytes_posted: int = 0
+    handles: list[WriteHandle] = field(default_factory=list)
+    compute_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    finished: threading.Event = field(default_factory=threading.Event)
+    _callbacks: list[Callable[["PrefillJob"], None]] = field(default_factory=list)
+    _cb_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def move(self, new: JobState) -> None:
+        if new not in _NEXT[self.state]:
+            raise AssertionError(f"prefill job {self.request_id}: {self.state.name} -> {new.name}")
+        self.state = new
+
+    def fail(self, error: Exception) -> None:
+        """Record why the job fails (the first error wins); it posts no more writes."""
+        if self.error is None:
+            self.error = error
+
+    @property
+    def stopped(self) -> bool:
+        """True once the job must post no more writes."""
+        return self.error is not None
+
+    @property
+    def aborted(self) -> bool:
+        return isinstance(self.error, PrefillAborted)
+
+    def result(self) -> PrefillResult:
+        """The outcome of a finished job; raises its error when it failed."""
+        if self.error is not None:
+            raise self.error
+        return PrefillResult(self.first_token, self.num_writes, self.bytes_posted,
+                             self.compute_seconds, self.transfer_seconds)
+
+    def add_done_callback(self, callback: Callable[["PrefillJob"], None]) -> None:
+        """Call ``callback(job)`` once the job finished (at once if it has); from the thread
+        that finishes it. Callbacks must not block."""
+        with self._cb_lock:
+            if not self.finished.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def set_finished(self) -> None:
+        """Mark finished and run the callbacks (called once, by the worker)."""
+        with self._cb_lock:
+            self.finished.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
