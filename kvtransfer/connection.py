@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import queue
 import selectors
 import socket
@@ -35,6 +36,8 @@ from kvtransfer.frame import (D_END_BATCH, DESC_SIZE, F_ACK_REQ, F_FLUSH, HEADER
                               check_descs, imm_runs, recv_exact, recv_exact_many)
 from kvtransfer.memory import MemoryTable
 from kvtransfer.tracker import CompletionTracker, EngineCounters
+
+log = logging.getLogger(__name__)
 
 
 class ThreadGroup:
@@ -79,7 +82,11 @@ class Shared:
 
 
 class Listener:
-    """Accept loop on a bound, listening socket; hands each connection to ``on_accept``."""
+    """Accept loop on a bound, listening socket; hands each connection to ``on_accept``.
+
+    The loop survives its errors: a failing ``on_accept`` closes that connection and is logged;
+    a failing ``accept`` (out of file descriptors, say) is logged and retried after a pause, so
+    the listener never dies while the worker's heartbeats say it is fine."""
 
     def __init__(self, sock: socket.socket, name: str, threads: ThreadGroup,
                  on_accept: Callable[[socket.socket], None]) -> None:
@@ -96,11 +103,22 @@ class Listener:
             while not self._stop.is_set():
                 for key, _ in sel.select():
                     if key.fileobj is self.sock and not self._stop.is_set():
-                        try:
-                            conn, _ = self.sock.accept()
-                        except OSError:
-                            continue
-                        self._on_accept(conn)
+                        self._accept_one()
+
+    def _accept_one(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            log.warning("accept failed: %s; retrying", exc)
+            self._stop.wait(0.05)
+            return
+        try:
+            self._on_accept(conn)
+        except Exception:
+            log.exception("could not serve an accepted connection; closed it")
+            conn.close()
 
     def close(self) -> None:
         self._stop.set()
@@ -131,6 +149,7 @@ class InboundConnection(abc.ABC):
         self._acks: list[bytes] = []
         self._part_error = self._part_rejected = 0   # of the batch part in progress
         self.closing = False
+        self.authenticated = False
         self.source = ""
 
     def run(self) -> None:
@@ -143,6 +162,7 @@ class InboundConnection(abc.ABC):
             except (AuthError, OSError):
                 self._shared.counters.add(auth_failures=1)
                 return
+            self.authenticated = True
             self.sock.settimeout(None)
             self._serve()
         except (OSError, KVTransferError) as exc:

@@ -246,11 +246,18 @@ def check_descs(raw: "bytes | bytearray | memoryview", memory: "MemoryTable",
 
     A descriptor is BAD_KEY when its key is not registered (or, with ``need_shared``, its region
     is not shared memory) and OUT_OF_BOUNDS when ``length`` is 0 or ``[offset, offset + length)``
-    leaves the region (a sum that wraps around 2**64 counts as outside). Vectorised: the cost
-    per frame is a few numpy calls plus one table lookup per distinct key, not Python work per write.
+    leaves the region (a sum that wraps around 2**64 counts as outside). Both are reported to the
+    writer and their payload is consumed and dropped. A write *longer than its region* (for an
+    unknown key: longer than every registered region) cannot come from a correct writer, and
+    consuming its payload could mean reading gigabytes or forever: `TransferError` is raised and
+    the caller drops the connection. Vectorised: the cost per frame is a few numpy calls plus one
+    table lookup per distinct key, not Python work per write.
     """
     descs = np.frombuffer(raw, dtype=DESC_DTYPE)
     keys, offsets, lengths = descs["key"], descs["offset"], descs["length"]
+    if len(lengths) and int(lengths.max()) > memory.max_length():
+        raise TransferError(f"protocol error: a write of {int(lengths.max())} bytes is longer than "
+                            "any registered region")
     status = np.zeros(len(descs), dtype=np.uint8)
     regs: dict[int, Registration] = {}
     first = int(keys[0]) if len(keys) else 0
@@ -263,6 +270,9 @@ def check_descs(raw: "bytes | bytearray | memoryview", memory: "MemoryTable",
             continue
         regs[key] = reg
         off, ln = offsets[rows], lengths[rows]
+        if int(ln.max()) > reg.region.length:
+            raise TransferError(f"protocol error: a write of {int(ln.max())} bytes into a region of "
+                                f"{reg.region.length}")
         end = off + ln   # uint64; wraps for a hostile offset, caught by end < off
         outside = (ln == 0) | (end > np.uint64(reg.region.length)) | (end < off)
         status[rows] = outside.view(np.uint8) * np.uint8(_OUT_OF_BOUNDS)

@@ -77,6 +77,11 @@ class MemoryTable:
         with self._lock:
             return tuple(r.region for r in self._by_key.values())
 
+    def max_length(self) -> int:
+        """Bytes of the largest registered region (0 when none): no write can be longer."""
+        with self._lock:
+            return max((r.region.length for r in self._by_key.values()), default=0)
+
     def registrations(self) -> tuple[Registration, ...]:
         with self._lock:
             return tuple(self._by_key.values())

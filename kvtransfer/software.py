@@ -47,6 +47,7 @@ class SoftwareEngine(TransferEngine):
     """
 
     STRIPE_MIN_BYTES = 1 << 20
+    MAX_PREAUTH = 16   # inbound connections still handshaking; more are closed at once
 
     def __init__(self, config: EngineConfig, arrivals: ArrivalHandler | None = None,
                  shared: Shared | None = None) -> None:
@@ -188,11 +189,18 @@ class SoftwareEngine(TransferEngine):
         self._listener = Listener(sock, f"kv-{self.name}-listen", self._threads, self._accept)
 
     def _accept(self, sock: socket.socket) -> None:
+        """A new inbound connection: its own thread, unless the engine is closed or
+        ``MAX_PREAUTH`` connections are still handshaking (closed at once and counted as an
+        auth failure: no thread, no buffer before authentication)."""
+        with self._lock:
+            preauth = sum(1 for c in self._inbound if not c.authenticated)
+            if self._closed or preauth >= self.MAX_PREAUTH:
+                sock.close()
+                if not self._closed:
+                    self._s.counters.add(auth_failures=1)
+                return
         conn = self._serve_connection(sock)
         with self._lock:
-            if self._closed:
-                sock.close()
-                return
             self._inbound.add(conn)
         self._threads.start(f"kv-{self.name}-rx-{next(self._conn_ids)}", self._run_inbound, conn)
 

@@ -122,7 +122,7 @@ class _TcpInbound(InboundConnection):
 
     def __init__(self, shared: Shared, sock: socket.socket) -> None:
         super().__init__(shared, sock)
-        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._scratch: memoryview | None = None   # allocated at the first rejected write
         self._views: dict[int, tuple[object, memoryview]] = {}   # key -> (registration, its view)
 
     def _place(self, checked: CheckedDescs) -> None:
@@ -137,6 +137,8 @@ class _TcpInbound(InboundConnection):
             view = views[keys[0]][1]
             targets = [view[o:o + n] for o, n in zip(offsets, lengths)]
         else:
+            if self._scratch is None:
+                self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
             scratch, targets = self._scratch, []
             for status, key, offset, length in zip(checked.status.tolist(), keys, offsets, lengths):
                 if status == 0:

@@ -174,3 +174,27 @@ def test_aggregated_arrivals_count_as_many():
     assert done == [(slot, gen, SlotState.COMPLETE)]
     c.on_immediate(pack_immediate(slot, gen), "w", count=5)
     assert c.stats().stale_dropped == 5
+
+
+def test_slots_are_reused_oldest_released_first():
+    c, _ = make(num_slots=3)
+    slots = [c.acquire(10)[0] for _ in range(3)]
+    for s in reversed(slots):
+        c.release(s, 0)
+    assert [c.acquire(10)[0] for _ in range(3)] == list(reversed(slots))
+
+
+def test_a_slot_released_after_a_failed_writer_waits_out_its_lease():
+    """A late write of the failed use carries generation g; the slot must not reach g again
+    (256 reuses) while that write can still land: it is not handed out before ``reuse_after_s``."""
+    clock = FakeClock()
+    c, _ = make(num_slots=2, clock=clock)
+    slot, gen = c.acquire(10)
+    c.release(slot, gen, reuse_after_s=90.0)
+    other, _ = c.acquire(10)
+    assert other != slot
+    with pytest.raises(TransferError, match="waiting out"):
+        c.acquire(10)
+    clock.now += 90.0
+    assert c.acquire(10)[0] == slot
+
