@@ -97,9 +97,63 @@ def test_malformed_json_is_400(client):
     ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2147483648}, "top_k"),   # was a 500 (int32)
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 1025}, "stop"),
 ])
 def test_bad_requests_are_400(client, path, body, param):
     assert_error(client.post(path, json=body), 400, param=param)
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", '{"prompt": "caf\\ud800e"}', "prompt"),                  # was a 500
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+     "messages.0.content"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud83d"]}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "top_p": Infinity}', "top_p"),
+])
+def test_invalid_unicode_and_non_finite_numbers_are_400(client, path, raw, param):
+    r = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert_error(r, 400, param=param)
+
+
+def test_tiny_temperature_means_greedy():
+    from router.protocol import CompletionRequest, effective_temperature
+
+    assert effective_temperature(CompletionRequest(prompt="x", temperature=1e-40)) == 0.0
+    assert effective_temperature(CompletionRequest(prompt="x", temperature=0.7)) == 0.7
+    assert effective_temperature(CompletionRequest(prompt="x")) == 1.0
+
+
+def test_body_over_the_cap_is_413(tokenizer):
+    state = build_state(RouterConfig(wait_for_workers_s=0.0, max_request_bytes=1000), tokenizer, CONTEXT,
+                        Membership(), "/models/smollm.gguf")
+    with TestClient(create_app(state)) as c:
+        assert_error(c.post("/v1/completions", json={"prompt": "x" * 2000}), 413, code="request_too_large")
+
+        def chunks():   # no Content-Length: counted while streaming in
+            for _ in range(10):
+                yield b" " * 200
+        r = c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert_error(r, 413, code="request_too_large")
+        assert_error(c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}), 503, code="no_workers")
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer, monkeypatch):
+    calls = []
+    real = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text: calls.append(len(text)) or real(text))
+    state = build_state(RouterConfig(wait_for_workers_s=0.0), tokenizer, CONTEXT, Membership(), "/m.gguf")
+    with TestClient(create_app(state)) as c:
+        huge = "x" * (CONTEXT * tokenizer.max_token_bytes)
+        err = assert_error(c.post("/v1/completions", json={"prompt": huge}), 400, code="context_length_exceeded")
+        assert "at least" in err["message"]
+        chat = {"messages": [{"role": "user", "content": huge}]}
+        assert_error(c.post("/v1/chat/completions", json=chat), 400, code="context_length_exceeded")
+    assert calls == []
 
 
 def test_prompt_over_context_is_400(client):

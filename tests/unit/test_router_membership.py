@@ -121,3 +121,15 @@ def test_config_validation():
         RouterConfig(heartbeat_interval_s=2, dead_after_s=1)
     with pytest.raises(ValueError):
         RouterConfig(registry_address="nohost")
+
+
+def test_a_worker_reporting_a_dead_loop_is_not_routable_until_healthy_again():
+    m = Membership()
+    m.register(info("p"))
+    m.register(info("d", role=pb.DECODE))
+    assert m.link("p", "d", (1, 2))
+    assert [x.worker_id for x in m.routable("decode")] == ["d"]
+    m.heartbeat("d", Load.from_pb(pb.LoadStats(unhealthy=True, unhealthy_reason="decode-loop thread died")))
+    assert m.routable("decode") == [] and m.get("d").state == WorkerState.CONNECTED
+    m.heartbeat("d", Load.from_pb(pb.LoadStats()))
+    assert [x.worker_id for x in m.routable("decode")] == ["d"]

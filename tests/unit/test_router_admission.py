@@ -1,0 +1,102 @@
+"""The admission queue: bounded, FIFO, one waiter woken per release, fast refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router.admission import Admission
+from router.errors import CapacityTimeout, Overloaded
+
+pytestmark = pytest.mark.unit
+
+
+class Capacity:
+    """``units`` places; ``tries`` counts every try_place call, per request name."""
+
+    def __init__(self, units: int = 0) -> None:
+        self.units = units
+        self.tries: dict[str, int] = {}
+
+    def placer(self, name: str):
+        async def try_place(since: float):
+            self.tries[name] = self.tries.get(name, 0) + 1
+            await asyncio.sleep(0)
+            if self.units > 0:
+                self.units -= 1
+                return name
+            return None
+        return try_place
+
+
+def test_places_at_once_when_nobody_waits():
+    async def main():
+        adm, cap = Admission(max_waiting=4, timeout_s=5), Capacity(units=1)
+        assert await adm.acquire(cap.placer("a")) == "a"
+        assert cap.tries == {"a": 1} and adm.waiting == 0
+    asyncio.run(main())
+
+
+def test_a_full_queue_refuses_at_once_with_retry_after():
+    async def main():
+        adm, cap = Admission(max_waiting=2, timeout_s=30, poll_s=10), Capacity()
+        waiters = [asyncio.create_task(adm.acquire(cap.placer(n))) for n in "ab"]
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(Overloaded) as err:
+            await adm.acquire(cap.placer("c"))
+        assert time.monotonic() - t0 < 0.1
+        assert err.value.status == 503 and err.value.headers()["Retry-After"].isdigit()
+        assert adm.refused == 1
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert adm.waiting == 0
+    asyncio.run(main())
+
+
+def test_only_the_head_tries_and_one_release_wakes_one_waiter():
+    async def main():
+        adm, cap = Admission(max_waiting=100, timeout_s=30, poll_s=60), Capacity()
+        names = [f"r{i}" for i in range(20)]
+        tasks = [asyncio.create_task(adm.acquire(cap.placer(n))) for n in names]
+        await asyncio.sleep(0.05)
+        before = sum(cap.tries.values())
+        cap.units = 1
+        adm.notify()                      # one release
+        done = await tasks[0]
+        await asyncio.sleep(0.05)
+        after = sum(cap.tries.values())
+        assert done == "r0"
+        # the head placed; the next head tried once (no capacity left); nobody else woke up
+        assert after - before == 2, cap.tries
+        assert all(cap.tries.get(n, 0) <= 1 for n in names[2:])
+        for t in tasks[1:]:
+            t.cancel()
+        await asyncio.gather(*tasks[1:], return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_fifo_order_and_a_leaving_head_hands_over_its_turn():
+    async def main():
+        adm, cap = Admission(max_waiting=10, timeout_s=30, poll_s=60), Capacity()
+        tasks = {n: asyncio.create_task(adm.acquire(cap.placer(n))) for n in "abc"}
+        await asyncio.sleep(0.02)
+        tasks["a"].cancel()               # the client at the head goes away
+        await asyncio.gather(tasks["a"], return_exceptions=True)
+        cap.units = 2
+        adm.notify()
+        assert await tasks["b"] == "b"
+        assert await asyncio.wait_for(tasks["c"], 2) == "c"
+    asyncio.run(main())
+
+
+def test_waiting_longer_than_the_timeout_is_a_capacity_timeout():
+    async def main():
+        adm, cap = Admission(max_waiting=10, timeout_s=0.2, poll_s=0.05), Capacity()
+        with pytest.raises(CapacityTimeout):
+            await adm.acquire(cap.placer("a"))
+        assert adm.waiting == 0
+    asyncio.run(main())
