@@ -122,20 +122,29 @@ def call_metadata(secret: bytes) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_HEADER, control_token(secret)),)
 
 
-def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
-    """TLS credentials for a server from PEM files."""
-    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())])
+def server_credentials(cert_file: str, key_file: str, ca_file: str) -> grpc.ServerCredentials:
+    """Mutual-TLS credentials for a server from PEM files: its own certificate and key, and the
+    CA every client certificate must be signed by (``require_client_auth``: a client without a
+    certificate of that CA fails the TLS handshake)."""
+    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())],
+                                       root_certificates=Path(ca_file).read_bytes(),
+                                       require_client_auth=True)
 
 
-def channel_credentials(ca_file: str | None) -> grpc.ChannelCredentials:
-    """TLS credentials for a client; ``ca_file`` None uses the system roots."""
-    return grpc.ssl_channel_credentials(Path(ca_file).read_bytes() if ca_file else None)
+def channel_credentials(ca_file: str, cert_file: str | None = None,
+                        key_file: str | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials for a client: the CA the server's certificate must be signed by, and this
+    client's certificate and key (mutual TLS)."""
+    return grpc.ssl_channel_credentials(
+        Path(ca_file).read_bytes(), Path(key_file).read_bytes() if key_file else None,
+        Path(cert_file).read_bytes() if cert_file else None)
 
 
 class TLSFiles:
-    """PEM files for mutual use by every cluster member: ``cert``/``key`` of this process and the
-    ``ca`` that signed its peers' certificates. All None: plaintext gRPC (the cluster token still
-    authenticates members)."""
+    """PEM files for mutual TLS between cluster members: ``cert``/``key`` of this process and the
+    ``ca`` that signed every member's certificate. Servers require a client certificate of that
+    CA; clients present theirs and check the server's. All None: plaintext gRPC (the cluster
+    token still authenticates members)."""
 
     def __init__(self, cert: str | None = None, key: str | None = None, ca: str | None = None):
         given = [x is not None for x in (cert, key, ca)]
@@ -150,15 +159,15 @@ class TLSFiles:
     def add_port(self, server, address: str) -> int:
         """Bind ``server`` (sync or aio) to ``address``, with TLS when enabled."""
         if self.enabled:
-            return server.add_secure_port(address, server_credentials(self.cert, self.key))
+            return server.add_secure_port(address, server_credentials(self.cert, self.key, self.ca))
         return server.add_insecure_port(address)
 
     def channel(self, address: str) -> grpc.Channel:
         if self.enabled:
-            return grpc.secure_channel(address, channel_credentials(self.ca))
+            return grpc.secure_channel(address, channel_credentials(self.ca, self.cert, self.key))
         return grpc.insecure_channel(address)
 
     def aio_channel(self, address: str):
         if self.enabled:
-            return grpc.aio.secure_channel(address, channel_credentials(self.ca))
+            return grpc.aio.secure_channel(address, channel_credentials(self.ca, self.cert, self.key))
         return grpc.aio.insecure_channel(address)

@@ -1,0 +1,71 @@
+"""The package layering of docs/ARCHITECTURE.md, checked against the code's actual imports.
+
+The table's last column names, in backticks, the project modules each package may import; an
+import of any other project package (at module level or inside a function) fails the test. The
+router must also run without torch: importing its entry points must not load it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "kvtransfer", "rpc", "worker", "prefill", "decode", "router", "loadtest", "deploy")
+
+
+def _table() -> dict[str, tuple[str, ...] | None]:
+    """package -> the project modules it may import (None: everything)."""
+    allowed = {}
+    for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():
+        m = re.match(r"\|\s*`(\w+)/`\s*\|[^|]*\|(?P<may>[^|]*)\|", line)
+        if m and m.group(1) in PACKAGES:
+            may = m.group("may")
+            allowed[m.group(1)] = None if "everything" in may else tuple(re.findall(r"`([\w.]+)`", may))
+    return allowed
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import of a project module in ``path``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(line, mod) for line, mod in out if mod.split(".")[0] in PACKAGES]
+
+
+def _permitted(module: str, own: str, allowed: tuple[str, ...]) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in (own, *allowed))
+
+
+def test_the_table_covers_every_package():
+    assert set(_table()) == set(PACKAGES)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_follow_the_layering_table(package):
+    allowed = _table()[package]
+    if allowed is None:
+        return
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {mod}"
+           for path in sorted((ROOT / package).rglob("*.py"))
+           for line, mod in _imports(path) if not _permitted(mod, package, allowed)]
+    assert not bad, f"arrows ARCHITECTURE.md does not allow for {package}/ (may import {allowed}):\n" + "\n".join(bad)
+
+
+def test_the_router_process_imports_no_torch():
+    code = ("import sys; import router.__main__, router.server, router.api, router.registry; "
+            "from router.server import load_tokenizer; load_tokenizer(None); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the router loaded torch: {out.stdout[:300]}"
