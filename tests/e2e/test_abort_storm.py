@@ -5,6 +5,7 @@ later requests' greedy output must still equal the single-process engine's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -15,6 +16,7 @@ from tests.e2e.conftest import assert_pools_full, start_cluster, stop_cluster, w
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "SmolLM2-135M-Instruct"
 NUM_CLIENTS = 200
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module", params=["tcp"])
@@ -26,16 +28,26 @@ def storm_cluster(request, tmp_path_factory):
 
 async def _client(http: httpx.AsyncClient, url: str, prompt: str, give_up_after: float,
                   give_up_at_chunk: int, outcome: dict) -> None:
-    """Disconnect after ``give_up_after`` seconds or at chunk ``give_up_at_chunk``."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True}
+    """Disconnect after ``give_up_after`` seconds or at chunk ``give_up_at_chunk``; records the
+    HTTP status, the streamed text, errors and whether the stream finished."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    outcome.update(prompt=prompt, text="", errors=[])
 
     async def run():
         async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            outcome["status"] = r.status_code
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        outcome["errors"].append(event["error"])
+                        continue
+                    outcome["text"] += event["choices"][0]["text"]
                     outcome["chunks"] = outcome.get("chunks", 0) + 1
                     if outcome["chunks"] >= give_up_at_chunk:
                         return False  # leaving the block closes the connection mid-stream
+                elif line == "data: [DONE]":
+                    outcome["done"] = True
         return True
     try:
         outcome["finished"] = await asyncio.wait_for(run(), give_up_after)
@@ -73,6 +85,18 @@ def test_abort_storm_leaves_pools_full_and_outputs_correct(storm_cluster, tokeni
     print(f"\nabort storm: {NUM_CLIENTS} clients, {cut_early} gone before the first token, "
           f"{cut_mid} mid-stream, {NUM_CLIENTS - cut_early - cut_mid} finished")
     assert cut_early >= 10 and cut_mid >= 10, "the storm must cut requests both before and during streaming"
+    # every answer that arrived was a 200 with no error event; every finished stream is exact
+    statuses = {o.get("status") for o in outcomes} - {None}
+    assert statuses == {200}, statuses
+    assert not [o["errors"] for o in outcomes if o["errors"]]
+    finished = [o for o in outcomes if o["finished"]]
+    assert finished and all(o.get("done") for o in finished)
+    for o in finished:
+        want = reference(tokenizer.encode(o["prompt"]), MAX_TOKENS).text
+        assert o["text"] == want, o["prompt"][:40]
+    for o in outcomes:   # what a cut stream received is a prefix of the exact answer
+        if o["text"]:
+            assert reference(tokenizer.encode(o["prompt"]), MAX_TOKENS).text.startswith(o["text"])
     assert_pools_full(storm_cluster, timeout_s=60)
     stats = worker_stats(storm_cluster)
     print("decode counters:", {k: v for _, (role, s) in stats.items() if role == "decode"

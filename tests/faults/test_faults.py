@@ -149,11 +149,23 @@ def test_restart_router(fault_cluster, workload):
 
 
 def test_no_blocks_leaked_and_report(fault_cluster):
+    # every worker process still running must answer Stats with a full pool: one that is
+    # missing from the router's table or whose Stats fails counts as a leak, not as "skipped"
+    expected = {name for name, (_, _, proc) in fault_cluster.workers.items() if proc.poll() is None}
+    assert expected, "no live worker left to check"
+    seen: dict = {}
+
     def all_free():
         workers = fault_cluster.probe().get("workers", {})
-        live = {k: w for k, w in workers.items() if "free" in w}
-        return live and all(w["free"] == w["total"] and not w["running"] for w in live.values()) and live
-    live = wait_for(all_free, 60, "every live worker's pool to be full again")
+        seen.update(workers)
+        live = {k: w for k, w in workers.items() if k in expected}
+        return (set(live) == expected
+                and all("free" in w and w["free"] == w["total"] and not w["running"] and not w["waiting"]
+                        for w in live.values()) and live)
+    try:
+        live = wait_for(all_free, 60, "every live worker's pool to be full again")
+    except Exception as exc:
+        raise AssertionError(f"expected {sorted(expected)} with full pools; last probe: {seen}") from exc
     print("\nfault            sent completed retried migrated failed reconnected")
     for tag, r in REPORT.items():
         if "sent" in r:
