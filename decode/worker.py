@@ -23,9 +23,12 @@ Lifecycle of a request (ARCHITECTURE.md, "One request, end to end"):
                 too is kept out of use that long.
     expiry    a reservation whose Decode never comes fails at the end of its lease.
 
-Threads: ``decode-loop`` owns the generator; one `StepGate` guards the generator, the
-reservations and the quarantine, and the loop lets RPC threads in between steps. RPC callers
-never wait for KV or tokens: outputs reach them through their `Sink`.
+Threads and locks: ``decode-loop`` owns the generator. Two locks, always taken in this order:
+the `StepGate` (the generator; the loop holds it for a whole step and lets RPC threads in between
+steps) and ``_state`` (reservations, the quarantine, draining; held only for bookkeeping). Reserve,
+Decode, the load report and most Aborts take ``_state`` alone, so they never wait for a step; the
+block allocator is thread-safe. RPC callers never wait for KV or tokens: outputs reach them
+through their `Sink`.
 """
 
 from __future__ import annotations
@@ -164,7 +167,8 @@ class DecodeWorker:
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens))
         self._model = res.loaded.config
-        self._lock = StepGate()   # the loop holds it per step and lets RPC threads in between
+        self._lock = StepGate()   # the generator: the loop holds it per step, RPCs get in between
+        self._state = threading.Condition()   # reservations, quarantine, draining, metrics
         self._wake = threading.Event()   # work arrived (a request, a completed slot)
         arrivals.on_done.append(self._wake.set)
         self._reservations: dict[str, Reservation] = {}
@@ -198,7 +202,7 @@ class DecodeWorker:
                                       f"{num_prompt_tokens} prompt tokens")
         need = blocks_needed(num_prompt_tokens, self.res.pool.block_size)
         lease = self.res.config.transfer_timeout_s
-        with self._lock:
+        with self._state:
             if self._draining:
                 raise DrainingError("decode worker is draining")
             if request_id in self._reservations:
@@ -232,7 +236,7 @@ class DecodeWorker:
         if not 0 <= num_writes <= MAX_WRITES_PER_REQUEST:
             raise InvalidRequestError(f"num_writes {num_writes} out of range")
         validate_request(prompt_token_ids, params, self._model.max_position, vocab)
-        with self._lock:
+        with self._state:
             r = self._reservations.get(request_id)
             if r is None or r.state != ResState.RESERVED:
                 raise UnknownRequestError(f"no reservation waiting for its Decode: {request_id!r}")
@@ -259,7 +263,7 @@ class DecodeWorker:
         """
         check_request_id(request_id)
         validate_request(prompt_token_ids, params, self._model.max_position, self._model.vocab_size)
-        with self._lock:
+        with self._lock, self._state:
             if self._draining:
                 raise DrainingError("decode worker is draining")
             if request_id in self._reservations:
@@ -271,24 +275,30 @@ class DecodeWorker:
         self._wake.set()
 
     def abort(self, request_id: str, writer_stopped: bool = False) -> bool:
-        """Abort a reserved, transferring or decoding request; False if unknown."""
-        with self._lock:
+        """Abort a reserved, transferring or decoding request; False if unknown. Only a request
+        already decoding waits for the step in progress."""
+        with self._state:
             r = self._reservations.get(request_id)
             if r is None:
                 return False
             r.writer_stopped = r.writer_stopped or writer_stopped
-            if r.state == ResState.DECODING:
+            if r.state in (ResState.RESERVED, ResState.WAITING_KV):
+                self.counter.fail(r.slot, r.generation, TransferError("aborted"))
+                self._fail(r, TransferError(f"request {request_id} was aborted"))
+                self.metrics["requests_aborted"] += 1
+                return True
+        with self._lock, self._state:
+            r = self._reservations.get(request_id)
+            if r is not None and r.state == ResState.DECODING:
                 out = self.gen.abort(request_id)
                 if out is not None:
                     self._finish(r, out)
-            elif r.state in (ResState.RESERVED, ResState.WAITING_KV):
-                self.counter.fail(r.slot, r.generation, TransferError("aborted"))
-                self._fail(r, TransferError(f"request {request_id} was aborted"))
             self.metrics["requests_aborted"] += 1
             return True
 
     def load(self) -> DecodeLoad:
-        with self._lock:
+        """Never waits for a step (the sequence counts are read without the generator's lock)."""
+        with self._state:
             reserved = [r for r in self._reservations.values()
                         if r.state in (ResState.RESERVED, ResState.WAITING_KV)]
             return DecodeLoad(self.res.pool.allocator.num_free, self.res.pool.num_blocks,
@@ -296,16 +306,16 @@ class DecodeWorker:
                               sum(len(r.blocks) for r in reserved), self._draining)
 
     def in_flight(self) -> int:
-        with self._lock:
+        with self._state:
             return len(self._reservations)
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new reservations; wait up to ``timeout_s`` for in-flight requests to finish."""
         end = time.monotonic() + timeout_s
-        with self._lock:
+        with self._state:
             self._draining = True
             while self._reservations and time.monotonic() < end:
-                self._lock.wait(0.2)
+                self._state.wait(0.2)
 
     def close(self) -> None:
         """Stop and join the decode loop; abort what is left."""
@@ -313,7 +323,7 @@ class DecodeWorker:
         self._wake.set()
         self._thread.join(timeout=30)
         self.watch.stopped()
-        with self._lock:
+        with self._lock, self._state:
             for rid in list(self._reservations):
                 r = self._reservations[rid]
                 if r.state == ResState.DECODING:
@@ -323,7 +333,7 @@ class DecodeWorker:
                 elif r.state in (ResState.RESERVED, ResState.WAITING_KV):
                     self._fail(r, TransferError("decode worker closed"))
 
-    # -- internals (called with the lock held) -------------------------------------------------
+    # -- internals (called with ``_state`` held; those touching the generator with the gate too) --
     def _fail(self, r: Reservation, error: KVTransferError, writer_done: bool = False) -> None:
         """Fail a reservation before it decodes; ``writer_done``: no write can still land."""
         if r.state in (ResState.FAILED, ResState.DONE):
@@ -343,7 +353,7 @@ class DecodeWorker:
         if r.sink is not None:
             r.sink.put(error)
         del self._reservations[r.request_id]
-        self._lock.notify_all()
+        self._state.notify_all()
 
     def _finish(self, r: Reservation, out: StepOutput) -> None:
         r.sink.put(out)
@@ -352,7 +362,7 @@ class DecodeWorker:
             del self._reservations[r.request_id]
             key = "sequences_failed" if out.finish_reason == FinishReason.ERROR else "requests_finished"
             self.metrics[key] += 1
-            self._lock.notify_all()
+            self._state.notify_all()
 
     def _admit_arrived(self) -> bool:
         """Join every request whose KV arrived to the batch; fail those whose transfer failed.
@@ -402,7 +412,7 @@ class DecodeWorker:
 
     def _writer_lost(self, source: str) -> None:
         """A writer's connection is gone: it can no longer write into the blocks it touched."""
-        with self._lock:
+        with self._state:
             keep = []
             for until, blocks, writers in self._quarantine:
                 if source in writers:
@@ -415,16 +425,18 @@ class DecodeWorker:
         self._wake.set()
 
     def _step(self) -> None:
+        """One generator step (gate held), then its outputs to their requests."""
         try:
             outputs = self.gen.step()
         except Exception:  # a bug in a step must not kill the worker silently
             log.exception("decode step failed; aborting the running batch")
             outputs = [o for rid in [s.request_id for s in self.gen.running + list(self.gen.waiting)]
                        if (o := self.gen.abort(rid)) is not None]
-        for out in outputs:
-            r = self._reservations.get(out.request_id)
-            if r is not None:
-                self._finish(r, out)
+        with self._state:
+            for out in outputs:
+                r = self._reservations.get(out.request_id)
+                if r is not None:
+                    self._finish(r, out)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -433,8 +445,9 @@ class DecodeWorker:
             busy = False
             with self.watch.guard("decode iteration"):
                 with self._lock:
-                    self._housekeeping()
-                    self._admit_arrived()
+                    with self._state:
+                        self._housekeeping()
+                        self._admit_arrived()
                     busy = self.gen.has_unfinished()
                     if busy:
                         self._step()

@@ -218,9 +218,10 @@ class Generator:
         extra = blocks_needed(num_tokens, self.pool.block_size) - len(seq.block_table)
         if extra <= 0:
             return True
-        if not self.pool.allocator.can_allocate(extra):
+        blocks = self.pool.allocator.try_allocate(extra)
+        if blocks is None:
             return False
-        seq.block_table.extend(self.pool.allocator.allocate(extra))
+        seq.block_table.extend(blocks)
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -14,6 +14,7 @@ the writer is known to have stopped.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Iterable, Sequence
 
@@ -27,7 +28,9 @@ from engine.ids import BlockId
 class BlockAllocator:
     """Reference-counted allocator of KV block ids ``0 .. num_blocks - 1``.
 
-    Not thread-safe: one owner (the scheduler thread) calls it.
+    Thread-safe: every method is atomic (a decode worker reserves blocks for arriving KV from RPC
+    threads while its loop grows sequences). Use `try_allocate` rather than `can_allocate` then
+    `allocate` where another thread may allocate in between.
     """
 
     def __init__(self, num_blocks: int):
@@ -36,6 +39,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
@@ -50,31 +54,41 @@ class BlockAllocator:
         Raises:
             CapacityError: fewer than ``n`` blocks are free (nothing is taken).
         """
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
+        blocks = self.try_allocate(n)
+        if blocks is None:
             raise CapacityError(
                 f"KV pool full: {n} blocks requested, {len(self._free)} of {self.num_blocks} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self._refs[b] = 1
+        return blocks
+
+    def try_allocate(self, n: int) -> list[BlockId] | None:
+        """Take ``n`` free blocks (reference count 1), or None when fewer are free (nothing taken)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        with self._lock:
+            if n > len(self._free):
+                return None
+            blocks = [self._free.popleft() for _ in range(n)]
+            for b in blocks:
+                self._refs[b] = 1
         return [BlockId(b) for b in blocks]
 
     def incref(self, blocks: Iterable[BlockId]) -> None:
         """Add a reference to each (already allocated) block."""
-        for b in blocks:
-            if self._refs[b] <= 0:
-                raise ValueError(f"block {b} is not allocated")
-            self._refs[b] += 1
+        with self._lock:
+            for b in blocks:
+                if self._refs[b] <= 0:
+                    raise ValueError(f"block {b} is not allocated")
+                self._refs[b] += 1
 
     def free(self, blocks: Iterable[BlockId]) -> None:
         """Drop one reference from each block; blocks reaching zero become free."""
-        for b in blocks:
-            if self._refs[b] <= 0:
-                raise ValueError(f"double free of block {b}")
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
+        with self._lock:
+            for b in blocks:
+                if self._refs[b] <= 0:
+                    raise ValueError(f"double free of block {b}")
+                self._refs[b] -= 1
+                if self._refs[b] == 0:
+                    self._free.append(b)
 
     def ref_count(self, block: BlockId) -> int:
         return self._refs[block]

@@ -5,7 +5,9 @@ worker with room in its budget of in-flight prompt tokens and a decode worker wh
 succeeded; on the colocated path a decode worker under its in-flight limit. Placement is tried by
 the orchestrator's ``try_place`` callback; this module only decides who tries, and when:
 
-- With nobody waiting, an arriving request tries at once.
+- One placement is tried at a time (a try awaits a ``Reserve`` call; concurrent tries would all
+  see the same free capacity and overcommit it).
+- With nobody waiting and no try under way, an arriving request tries at once.
 - Otherwise it joins the queue, or, when ``max_waiting`` requests already wait, it is refused at
   once with `Overloaded` (HTTP 503 with ``Retry-After``).
 - Only the head of the queue tries. It tries again when woken by `Admission.notify` (a request
@@ -49,6 +51,7 @@ class Admission:
     def __init__(self, max_waiting: int, timeout_s: float, poll_s: float = 0.5) -> None:
         self.max_waiting, self.timeout_s, self.poll_s = max_waiting, timeout_s, poll_s
         self._waiters: deque[asyncio.Event] = deque()
+        self._placing = False
         self._placed_at: deque[float] = deque(maxlen=64)   # recent placement times (retry hint)
         self.refused = 0
 
@@ -64,9 +67,9 @@ class Admission:
         ``try_place`` raises.
         """
         since = time.monotonic()
-        tried = not self._waiters
+        tried = not self._waiters and not self._placing
         if tried:
-            placed = await try_place(since)
+            placed = await self._try(try_place, since)
             if placed is not None:
                 return self._placed(placed)
         if len(self._waiters) >= self.max_waiting:
@@ -74,11 +77,14 @@ class Admission:
             raise Overloaded(f"{len(self._waiters)} requests are already waiting for capacity; "
                              "try again later", retry_after_s=self.retry_after_s())
         me = asyncio.Event()
-        self._waiters.append(me)
+        if tried:   # it arrived before everyone who queued during its try
+            self._waiters.appendleft(me)
+        else:
+            self._waiters.append(me)
         try:
             while True:
-                if self._waiters[0] is me and not tried:
-                    placed = await try_place(since)
+                if self._waiters[0] is me and not tried and not self._placing:
+                    placed = await self._try(try_place, since)
                     if placed is not None:
                         return self._placed(placed)
                 left = since + self.timeout_s - time.monotonic()
@@ -95,6 +101,14 @@ class Admission:
             self._waiters.remove(me)
             if head:
                 self.notify()
+
+    async def _try(self, try_place, since: float):
+        self._placing = True
+        try:
+            return await try_place(since)
+        finally:
+            self._placing = False
+            self.notify()   # a head that found a try under way gets its turn now
 
     def notify(self) -> None:
         """Capacity may have been released: wake the head of the queue (only)."""

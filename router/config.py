@@ -83,7 +83,7 @@ class RouterConfig:
     policy: str = "load"
     max_waiting_requests: int = 256
     queue_timeout_s: float = 300.0
-    prefill_inflight_tokens: int = 8192
+    prefill_inflight_tokens: int = 4096
     decode_inflight_requests: int = 256
     max_request_bytes: int = 4 << 20
     prefill_timeout_s: float = 60.0

@@ -69,7 +69,7 @@ class WorkerConfig:
     transfer_port: int = 0
     max_write_bytes: int = 4 << 20
     heartbeat_interval_s: float = 1.0
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = 60.0
     prefill_timeout_s: float = 60.0
     quarantine_s: float = 90.0
     rdma_device: str = ""

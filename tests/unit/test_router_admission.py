@@ -100,3 +100,31 @@ def test_waiting_longer_than_the_timeout_is_a_capacity_timeout():
             await adm.acquire(cap.placer("a"))
         assert adm.waiting == 0
     asyncio.run(main())
+
+
+def test_one_try_at_a_time_even_for_simultaneous_arrivals():
+    """Two hundred requests arriving together must not all try at once (each try awaits a
+    Reserve; concurrent tries would all see the same free capacity and overcommit it)."""
+    async def main():
+        adm = Admission(max_waiting=50, timeout_s=0.3, poll_s=0.05)
+        active, peak, units = 0, 0, [5]
+
+        async def try_place(since):
+            nonlocal active, peak
+            active += 1
+            peak = max(peak, active)
+            await asyncio.sleep(0.001)
+            active -= 1
+            if units[0] > 0:
+                units[0] -= 1
+                return True
+            return None
+
+        results = await asyncio.gather(*(adm.acquire(try_place) for _ in range(200)),
+                                       return_exceptions=True)
+        kinds = [type(r).__name__ if isinstance(r, BaseException) else r for r in results]
+        assert peak == 1
+        assert kinds.count(True) == 5
+        assert kinds.count("CapacityTimeout") <= 50 and kinds.count("Overloaded") >= 200 - 5 - 50
+        assert set(kinds) <= {True, "CapacityTimeout", "Overloaded"}
+    asyncio.run(main())
