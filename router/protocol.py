@@ -188,7 +188,7 @@ def check_lengths(num_prompt: int, max_tokens: int | None, param: str, context: 
                   limit: int, default: int | None) -> int:
     """The request's max_tokens after the context check.
 
-    ``default`` None means "the rest of the context". Raises `InvalidRequest` for an empty
+    ``default`` None means "the rest of the context" (at most ``limit``). Raises `InvalidRequest` for an empty
     prompt or max_tokens < 1 / above ``limit``, `ContextLengthExceeded` when prompt + max_tokens
     exceeds ``context``.
     """
@@ -200,8 +200,8 @@ def check_lengths(num_prompt: int, max_tokens: int | None, param: str, context: 
         raise ContextLengthExceeded(
             f"this model's maximum context length is {context} tokens; the prompt has "
             f"{num_prompt} tokens", param="prompt")
-    if max_tokens is None:
-        max_tokens = default if default is not None else context - num_prompt
+    if max_tokens is None:   # the default never exceeds the limit either
+        max_tokens = min(default if default is not None else context - num_prompt, limit)
     if num_prompt + max_tokens > context:
         raise ContextLengthExceeded(
             f"this model's maximum context length is {context} tokens; the request asks for "

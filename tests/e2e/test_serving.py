@@ -135,6 +135,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": -1}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 2147483648}, 400),        # was a 500
+    ("/v1/completions", b'{"model": "SmolLM2-135M-Instruct", "prompt": "\\ud800"}', 400),  # was a 500
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400),
 ]
 
 
@@ -160,6 +163,24 @@ def test_bad_requests_get_4xx_and_do_not_disturb_a_good_one(cluster, reference, 
             assert err["message"] and err["type"] and "param" in err and "code" in err
     t.join(timeout=300)
     assert result["text"] == reference(tokenizer.encode(PROMPTS[2]), 32).text
+    assert_pools_full(cluster)
+
+
+def test_tiny_temperature_is_greedy_and_fails_nobody(cluster, reference, tokenizer):
+    """temperature 1e-40 overflowed to inf in sampling and failed its whole batch (prefill and
+    decode) on every retry: a 502 for it and for every request batched with it."""
+    client = openai_client(cluster)
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=1e-40 if i % 2 else 0)
+        return prompt, r.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    for prompt, text in results:
+        assert text == reference(tokenizer.encode(prompt), MAX_TOKENS).text, prompt
     assert_pools_full(cluster)
 
 
