@@ -1,15 +1,18 @@
 """OpenAI request bodies (pydantic) and their validation into a `GenerationRequest`.
 
-Unknown fields are accepted and ignored. Type errors surface as FastAPI validation errors
-(turned into 400 bodies by the API); range and semantic checks raise `InvalidRequest`,
-`ContextLengthExceeded` or `ModelNotFound` from `validate_sampling` / `check_lengths`.
+Unknown fields are accepted and ignored. Types, required fields and numeric ranges are declared
+on the models, so the published OpenAPI schema says what is valid (schemathesis fuzzes against it);
+their violations surface as FastAPI validation errors (400 OpenAI bodies from the API). Semantic
+checks raise `InvalidRequest`, `ContextLengthExceeded` or `ModelNotFound` from
+`validate_sampling` / `check_lengths`; `validate_sampling` re-checks the ranges too, for models
+built in code.
 """
 
 from __future__ import annotations
 
 from typing import Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import ContextLengthExceeded, InvalidRequest
 
@@ -30,17 +33,17 @@ class StreamOptions(_Lenient):
 
 class _SamplingFields(_Lenient):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     ignore_eos: bool = False
 
 
@@ -48,8 +51,8 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of one string, a list of token
     ids, or a list of one list of token ids."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]], None] = None
-    best_of: int | None = None
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    best_of: int | None = Field(None, ge=1)
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -68,8 +71,8 @@ class ChatMessage(_Lenient):
 class ChatRequest(_SamplingFields):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
 
-    messages: list[ChatMessage] | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
 
 
