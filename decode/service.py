@@ -1,9 +1,10 @@
 """gRPC `Decode` service (``grpc.aio``) over a `DecodeWorker`; the contract of each RPC is in
 rpc/pdserve.proto, the exception -> status table in `worker.status`.
 
-Calls that take the worker's lock run in the server's ``decode-ctl`` executor; streams are
+Calls that take the worker's locks run in the server's ``decode-ctl`` executor; streams are
 coroutines reading the request's `AsyncSink` (no thread per stream). A stream that ends before
-its request finished (the client cancelled, or went away) aborts the request.
+its request finished (the client cancelled, or went away) detaches it (`DecodeWorker.detach`): a
+decoding request is aborted, one still waiting for its KV is dropped once the KV is in.
 """
 
 from __future__ import annotations
@@ -66,7 +67,15 @@ class DecodeService(pb_grpc.DecodeServicer):
     # -- requests -------------------------------------------------------------------------------
     @unary
     async def Reserve(self, request, context):
-        r = await _ctl(self.worker.reserve, request.request_id, request.num_prompt_tokens, request.max_tokens)
+        rid = request.request_id
+        done = asyncio.get_running_loop().run_in_executor(
+            None, self.worker.reserve, rid, request.num_prompt_tokens, request.max_tokens)
+        try:
+            r = await asyncio.shield(done)
+        except asyncio.CancelledError:   # the caller is gone: nobody will learn of this reservation
+            done.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                   or self.worker.abort(rid, writer_stopped=True))
+            raise
         return pb.ReserveResponse(block_ids=r.blocks, slot=r.slot, generation=r.generation,
                                   lease_s=self.res.config.transfer_timeout_s)
 
@@ -104,7 +113,7 @@ class DecodeService(pb_grpc.DecodeServicer):
                     yield chunk
         finally:
             if not finished:   # cancelled, or failed: make sure nothing of it stays
-                asyncio.get_running_loop().run_in_executor(None, self.worker.abort, request_id)
+                asyncio.get_running_loop().run_in_executor(None, self.worker.detach, request_id)
 
     @unary
     async def Abort(self, request, context):

@@ -102,6 +102,7 @@ class Reservation:
     state: ResState = ResState.RESERVED
     writer_stopped: bool = False
     sink: Sink | None = None
+    detached: bool = False   # its stream ended early: nobody reads it any more
     first_token: int = 0
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
@@ -296,6 +297,19 @@ class DecodeWorker:
             self.metrics["requests_aborted"] += 1
             return True
 
+    def detach(self, request_id: str) -> None:
+        """The request's stream ended before it finished (the caller went away). A decoding
+        request is aborted; one still waiting for its KV is dropped as soon as the KV is in
+        (then no write can land any more), or fails at its lease like any other. Nothing is
+        claimed about the writer: only an Abort with ``writer_stopped`` frees blocks early."""
+        with self._state:
+            r = self._reservations.get(request_id)
+            if r is None or r.state != ResState.DECODING:
+                if r is not None:
+                    r.detached, r.sink = True, None
+                return
+        self.abort(request_id)
+
     def load(self) -> DecodeLoad:
         """Never waits for a step (the sequence counts are read without the generator's lock)."""
         with self._state:
@@ -374,6 +388,8 @@ class DecodeWorker:
                 self._fail(r, TransferError(f"slot of {r.request_id} was released"))
             elif st.state == SlotState.FAILED:
                 self._fail(r, st.error or TransferError("transfer failed"))
+            elif st.state == SlotState.COMPLETE and r.detached:   # every write is in: none can land
+                self._fail(r, TransferError(f"{r.request_id}: nobody reads it"), writer_done=True)
             elif st.state == SlotState.COMPLETE:
                 self._start(r)
             else:

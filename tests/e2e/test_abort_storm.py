@@ -97,10 +97,10 @@ def test_abort_storm_leaves_pools_full_and_outputs_correct(storm_cluster, tokeni
     for o in outcomes:   # what a cut stream received is a prefix of the exact answer
         if o["text"]:
             assert reference(tokenizer.encode(o["prompt"]), MAX_TOKENS).text.startswith(o["text"])
-    assert_pools_full(storm_cluster, timeout_s=60)
     stats = worker_stats(storm_cluster)
     print("decode counters:", {k: v for _, (role, s) in stats.items() if role == "decode"
                                for k, v in s.counters.items() if v})
+    assert_pools_full(storm_cluster, timeout_s=60)
     # later requests are still exact
     for text in ("What is the capital of France?", "Write a haiku about autumn."):
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
