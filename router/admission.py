@@ -59,6 +59,19 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    def refuse_now(self) -> Overloaded | None:
+        """The `Overloaded` error a request arriving now would get for certain (it would have to
+        queue, and the queue is full), or None. Lets the HTTP layer refuse before it even reads
+        the request body."""
+        if (self._waiters or self._placing) and len(self._waiters) >= self.max_waiting:
+            return self._refuse()
+        return None
+
+    def _refuse(self) -> Overloaded:
+        self.refused += 1
+        return Overloaded(f"{len(self._waiters)} requests are already waiting for capacity; "
+                          "try again later", retry_after_s=self.retry_after_s())
+
     async def acquire(self, try_place: Callable[[float], Awaitable[T | None]]) -> T:
         """Place a request: ``await try_place(since)`` (``since``: monotonic time the request
         arrived) returns what was placed, or None when there is no capacity now.
@@ -73,9 +86,7 @@ class Admission:
             if placed is not None:
                 return self._placed(placed)
         if len(self._waiters) >= self.max_waiting:
-            self.refused += 1
-            raise Overloaded(f"{len(self._waiters)} requests are already waiting for capacity; "
-                             "try again later", retry_after_s=self.retry_after_s())
+            raise self._refuse()
         me = asyncio.Event()
         if tried:   # it arrived before everyone who queued during its try
             self._waiters.appendleft(me)

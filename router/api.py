@@ -82,6 +82,7 @@ def create_app(state: RouterState) -> FastAPI:
     app.state.router = state
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=state.config.max_request_bytes)
+    app.add_middleware(RefuseWhenFull, state=state)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -300,6 +301,27 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.exception("internal error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {exc}", "server_error", None,
                                        "internal_error"), status_code=500)
+
+
+class RefuseWhenFull:
+    """ASGI middleware: while the admission queue is full, a generation request is answered 503
+    (`Overloaded`, with ``Retry-After``) before its body is read or validated, so a burst is shed
+    at the cost of a header parse per refused request."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, state: "RouterState") -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.PATHS:
+            refused = self.state.orchestrator.admission.refuse_now()
+            if refused is not None:
+                self.state.metrics.errors.labels(refused.code).inc()
+                response = JSONResponse(router_error_body(refused), status_code=refused.status,
+                                        headers=refused.headers())
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class BodyLimit:

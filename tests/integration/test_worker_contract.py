@@ -21,6 +21,7 @@ from engine.loader import build_generator
 from engine.sampling import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
+from tests.integration.test_workers import run_request as disaggregated
 from tests.integration.test_workers import start_worker, stop, wait_ready
 from worker.convert import sampling_to_proto
 
@@ -71,18 +72,6 @@ def wait_free(decode, want: int, within_s: float) -> float:
         assert time.monotonic() - t0 < within_s, f"free blocks {free_blocks(decode)} != {want} after {within_s}s"
         time.sleep(0.1)
     return time.monotonic() - t0
-
-
-def disaggregated(prefill, decode, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-    sp = sampling_to_proto(params)
-    r = decode.Reserve(pb.ReserveRequest(request_id=rid, num_prompt_tokens=len(prompt), max_tokens=params.max_tokens))
-    p = prefill.Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=sp, decode_worker_id="d",
-                                          block_ids=r.block_ids, slot=r.slot, generation=r.generation))
-    tokens = [p.first_token]
-    for chunk in decode.Decode(pb.DecodeRequest(request_id=rid, first_token=p.first_token, num_writes=p.num_writes,
-                                                sampling=sp, prompt_token_ids=prompt)):
-        tokens += chunk.token_ids
-    return tokens
 
 
 @pytest.fixture(scope="module")

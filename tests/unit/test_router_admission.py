@@ -128,3 +128,35 @@ def test_one_try_at_a_time_even_for_simultaneous_arrivals():
         assert kinds.count("CapacityTimeout") <= 50 and kinds.count("Overloaded") >= 200 - 5 - 50
         assert set(kinds) <= {True, "CapacityTimeout", "Overloaded"}
     asyncio.run(main())
+
+
+def test_a_full_queue_is_refused_before_the_body_is_read():
+    from engine.modelfile import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    """The HTTP layer asks `refuse_now` first: a burst is shed without parsing bodies."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from router.api import build_state, create_app
+    from router.config import RouterConfig
+    from router.membership import Membership
+
+    state = build_state(RouterConfig(max_waiting_requests=1, wait_for_workers_s=3.0),
+                        Tokenizer.from_file(resolve_model_path(None)), 64, Membership(), "/m.gguf")
+    with TestClient(create_app(state)) as client:
+        first = {}
+        waiter = threading.Thread(target=lambda: first.update(r=client.post(
+            "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})), name="queued-request")
+        waiter.start()   # no workers: it waits in the queue, which then is full
+        deadline = time.monotonic() + 5
+        while state.orchestrator.admission.waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = client.post("/v1/completions", content=b"not even json",
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+        assert r.headers["retry-after"].isdigit()
+        assert client.get("/v1/models").status_code == 200   # other routes are not shed
+        waiter.join(10)
+        assert first["r"].status_code == 503 and first["r"].json()["error"]["code"] == "no_workers"
