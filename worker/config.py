@@ -32,7 +32,8 @@ class WorkerConfig:
             for GPUDirect RDMA and needs the verbs transfer engine.
         num_blocks: KV pool blocks of ``block_size`` tokens.
         block_size: tokens per KV block.
-        max_num_seqs: decode: most sequences in the running batch.
+        max_num_seqs: decode: most sequences in the running batch (vLLM's default, 256);
+            requests whose KV arrived beyond it wait, their blocks held, for a place.
         max_num_batched_tokens: prefill: most prompt tokens per forward pass (longer prompts are
             chunked).
         threads: torch threads of this process.
@@ -62,7 +63,7 @@ class WorkerConfig:
     device: str = "cpu"
     num_blocks: int = 2048
     block_size: int = 16
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     threads: int = 1
     transfer_engine: str = "auto"
