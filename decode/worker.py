@@ -180,6 +180,7 @@ class DecodeWorker:
         try:
             self.counter.expect(r.slot, r.generation, num_writes)
             self.counter.wait(r.slot, r.generation, timeout_s=max(0.0, r.deadline - time.monotonic()) + 1.0)
+            self.res.transfer.flush_arrivals()   # GPUDirect: the bytes are visible to kernels from here
         except KVTransferError as exc:
             with self._lock:
                 self._fail(r, exc)

@@ -317,7 +317,7 @@ class VerbsEngine(TransferEngine):
             state.state = PeerState.RECONNECTING
         log.warning("verbs: connection to %s failed (%s); reconnecting", owner, error)
         reset = PeerLostError(f"connection to {owner} was reset after: {error}")
-        self._loop.teardown(owner, reset, then=lambda: self._threads.start(
+        self._loop.teardown(owner, reset, keep_backlog=True, then=lambda: self._threads.start(
             f"kv-verbs-reconnect-{owner.replace(':', '')}", self._reconnect, state))
 
     def _reconnect(self, state: _Outbound) -> None:

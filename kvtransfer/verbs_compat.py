@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -100,7 +100,7 @@ def enum(name: str) -> int:
             return int(value)
         for obj in vars(module).values():   # v59+: members of enum classes
             members = getattr(obj, "__members__", None)
-            if isinstance(members, dict) and name in members:
+            if isinstance(members, Mapping) and name in members:
                 return int(members[name])
     raise EngineUnavailableError(f"pyverbs {version().version} defines no {name}")
 

@@ -131,11 +131,13 @@ class CompletionLoop:
         with self._lock:
             return {n: q.state.name for n, q in self._qps.items()}
 
-    def teardown(self, owner: str, error: KVTransferError, then: Callable[[], None] | None = None) -> threading.Event:
+    def teardown(self, owner: str, error: KVTransferError, then: Callable[[], None] | None = None,
+                 keep_backlog: bool = False) -> threading.Event:
         """Tear down every QP of ``owner`` on the loop's thread: move to ERR, let outstanding
-        writes complete (flushed; their handles fail with ``error`` unless already failed),
-        destroy, drain the CQ of what the QPs left there, fail the owner's backlog with ``error``,
-        then run ``then``. Returns an event set when done."""
+        writes complete (flushed; their handles fail unless already failed), destroy, drain the
+        CQ of what the QPs left there, fail the owner's queued writes with ``error`` (or keep
+        them for the QPs of a reconnect: ``keep_backlog``), then run ``then``. Returns an event
+        set when done."""
         done = threading.Event()
 
         def command() -> None:
@@ -144,7 +146,7 @@ class CompletionLoop:
                 for rc in qps:
                     self._start_drain(rc)
                 waiting = [q for q in self._owned.get(owner, ()) if q.state == QpState.DRAINING]
-                backlog = self._backlog.pop(owner, collections.deque())
+                backlog = collections.deque() if keep_backlog else self._backlog.pop(owner, collections.deque())
             self._s.tracker.parts_done([(w.handle, error) for w in backlog])
 
             def finished() -> None:
@@ -324,6 +326,8 @@ class CompletionLoop:
 
     # -- posting (called with the lock held) -----------------------------------------------------
     def _pump(self, owner: str) -> None:
+        if owner in self._broken:
+            return   # its QPs failed: what is queued waits for the reconnect (or fails with it)
         queue = self._backlog.get(owner)
         qps = [q for q in self._owned.get(owner, ()) if q.state == QpState.READY]
         if not queue or not qps:

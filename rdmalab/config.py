@@ -1,7 +1,9 @@
 """Settings of the RDMA lab: one frozen dataclass, validated when built.
 
-Environment variables are read in one place only, :func:`LabConfig.from_env` (the CLI and the
-pytest plugin call it): ``PDSERVE_LAB_ACCEL``, ``PDSERVE_LAB_MEMORY_MIB``, ``PDSERVE_LAB_CACHE``.
+Environment variables are read here only: :func:`LabConfig.from_env` (``PDSERVE_LAB_ACCEL``,
+``PDSERVE_LAB_MEMORY_MIB``, ``PDSERVE_LAB_CACHE``), :func:`in_lab` / :func:`guest_outbox`
+(``PDSERVE_LAB``, ``RDMALAB_OUTBOX``, set by the guest's init) and :func:`run_timeout_s`
+(``PDSERVE_LAB_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class LabConfig:
     """
 
     cache_dir: Path = field(default_factory=lambda: REPO_ROOT / ".rdmalab")
-    memory_mib: int = 6144
+    memory_mib: int = 8192
     cpus: int = 2
     accel: str = "tcg"
     boot_timeout_s: float = 180.0
@@ -61,3 +63,19 @@ class LabConfig:
         if os.environ.get("PDSERVE_LAB_CACHE"):
             env["cache_dir"] = Path(os.environ["PDSERVE_LAB_CACHE"])
         return replace(cls(), **{**env, **overrides})
+
+
+def in_lab() -> bool:
+    """True inside the lab's guest (its init exports ``PDSERVE_LAB=1``)."""
+    return os.environ.get("PDSERVE_LAB") == "1"
+
+
+def guest_outbox() -> Path | None:
+    """Inside the guest: the directory shared with the host (``$RDMALAB_OUTBOX``); else None."""
+    value = os.environ.get("RDMALAB_OUTBOX")
+    return Path(value) if in_lab() and value else None
+
+
+def run_timeout_s() -> float:
+    """Seconds a whole lab run may take (``PDSERVE_LAB_TIMEOUT_S``, default 1500)."""
+    return float(os.environ.get("PDSERVE_LAB_TIMEOUT_S", "1500"))
