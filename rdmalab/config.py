@@ -32,6 +32,8 @@ class LabConfig:
         workdir: host directory that is the command's working directory in the guest (the host
             root is the guest's root, read-only, so the path is the same).
         kernel_package: Debian package of the guest kernel (its 6.1 build has CONFIG_RDMA_RXE=m).
+        cpu: the guest CPU model under TCG (``-cpu``). Without AVX: torch and oneDNN then run
+            SSE code, which TCG translates far faster than its helper-based AVX2 emulation.
     """
 
     cache_dir: Path = field(default_factory=lambda: REPO_ROOT / ".rdmalab")
@@ -41,6 +43,7 @@ class LabConfig:
     boot_timeout_s: float = 180.0
     workdir: Path = REPO_ROOT
     kernel_package: str = "linux-image-amd64"
+    cpu: str = "Nehalem"
 
     def __post_init__(self) -> None:
         if self.accel not in ACCELS:
@@ -60,6 +63,8 @@ class LabConfig:
             env["accel"] = os.environ["PDSERVE_LAB_ACCEL"]
         if os.environ.get("PDSERVE_LAB_MEMORY_MIB"):
             env["memory_mib"] = int(os.environ["PDSERVE_LAB_MEMORY_MIB"])
+        if os.environ.get("PDSERVE_LAB_CPU"):
+            env["cpu"] = os.environ["PDSERVE_LAB_CPU"]
         if os.environ.get("PDSERVE_LAB_CACHE"):
             env["cache_dir"] = Path(os.environ["PDSERVE_LAB_CACHE"])
         return replace(cls(), **{**env, **overrides})

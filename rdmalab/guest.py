@@ -59,7 +59,7 @@ class LabResult:
 def qemu_argv(config: LabConfig, assets: Assets, outbox: Path) -> list[str]:
     """The qemu command line (see the module docstring for what each part is for)."""
     accel = ["-accel", "kvm", "-cpu", "host"] if config.accel == "kvm" else ["-accel", "tcg,thread=multi",
-                                                                            "-cpu", "max"]
+                                                                            "-cpu", config.cpu]
     return ["qemu-system-x86_64", "-nodefaults", "-no-user-config", "-display", "none", *accel,
             "-m", str(config.memory_mib), "-smp", str(config.cpus),
             "-kernel", str(assets.kernel), "-initrd", str(assets.initramfs),

@@ -66,7 +66,8 @@ class LabRun:
         if outbox.exists():
             for old in outbox.iterdir():
                 old.unlink()
-        argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *self.nodeids]
+        argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--color=no", "--durations=30",
+                *self.nodeids]
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         started = time.monotonic()
         with open(self.log_path, "w") as log:   # the guest's pytest output, as it arrives
