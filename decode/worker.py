@@ -96,11 +96,15 @@ class DecodeArrivals:
     def __init__(self, counter: CompletionCounter):
         self.counter = counter
         self.on_lost: list = []
+        self.lost: set[str] = set()   # writers whose connection ended and that have not written since
 
     def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+        if source in self.lost:   # it connected again
+            self.lost.discard(source)
         self.counter.on_immediate(imm, source, count)
 
     def on_peer_lost(self, source: str, error: TransferError) -> None:
+        self.lost.add(source)
         self.counter.on_peer_lost(source, error)
         for callback in list(self.on_lost):
             callback(source)
@@ -273,7 +277,10 @@ class DecodeWorker:
         writers = set(self.counter.writers(r.slot, r.generation))
         self.counter.release(r.slot, r.generation)
         self.metrics["transfers_failed"] += 1
-        if r.writer_stopped or isinstance(error, PeerLostError):
+        # Every writer that touched the blocks may already have lost its connection (a killed
+        # prefill worker is seen by the data plane before the router aborts): nothing can land.
+        all_lost = bool(writers) and writers <= self.arrivals.lost
+        if r.writer_stopped or isinstance(error, PeerLostError) or all_lost:
             self.res.pool.allocator.free(r.blocks)
         else:
             self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, r.blocks, writers))

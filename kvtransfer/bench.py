@@ -84,11 +84,13 @@ def bulk_shape(total: int, block: int) -> Shape:
     return Shape(f"{total >> 20}MiB-in-{block >> 10}KiB", total, [ops])
 
 
-def shapes(quick: bool, pool_bytes: int) -> list[Shape]:
+def shapes(quick: bool, pool_bytes: int, names: tuple[str, ...] = ()) -> list[Shape]:
+    """The shapes measured (``names``: only those)."""
     rng = random.Random(0)
     total = (128 << 20) if quick else (1 << 30)
-    return [kv_shape(t, pool_bytes, rng) for t in (128, 512, 2048, 8192)] + [
-        bulk_shape(total, 256 << 10), bulk_shape(total, 4 << 20)]
+    wanted = lambda name: not names or name in names   # noqa: E731
+    out = [kv_shape(t, pool_bytes, rng) for t in (128, 512, 2048, 8192) if wanted(f"kv-{t}tok")]
+    return out + [s for s in (bulk_shape(total, 256 << 10), bulk_shape(total, 4 << 20)) if wanted(s.name)]
 
 
 def timed(fn: Callable[[], None], iters: int, warmup: int = 1) -> list[float]:
@@ -284,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="memcpy,socket,socket-sg,tcp,shm,peers")
     parser.add_argument("--streams", type=int, default=2, help="tcp streams per peer")
     parser.add_argument("--shapes", default="", help="only these shapes (comma separated names)")
+    parser.add_argument("--pool-mib", type=int, default=None,
+                        help="pool size per side (default 448 with --quick, else 1024); shapes must fit")
     parser.add_argument("--verbs-devices", default="", metavar="RX,TX",
                         help="verbs: the receiver's and the writer's RDMA device (default: the first)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -293,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
     rounds = args.rounds or (1 if args.quick else 3)
-    pool_bytes = (448 << 20) if args.quick else (1 << 30)
+    pool_bytes = (args.pool_mib << 20) if args.pool_mib else (448 << 20) if args.quick else (1 << 30)
     kv_iters, bulk_iters = (5, 2) if args.quick else (10, 3)
-    all_shapes = [s for s in shapes(args.quick, pool_bytes) if not args.shapes or s.name in args.shapes.split(",")]
+    all_shapes = shapes(args.quick, pool_bytes, tuple(filter(None, args.shapes.split(","))))
     rx_dev, _, tx_dev = args.verbs_devices.partition(",")
     src_pool = torch.randint(0, 255, (pool_bytes,), dtype=torch.uint8)
     src = src_pool.numpy()
