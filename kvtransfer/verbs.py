@@ -230,10 +230,18 @@ class VerbsEngine(TransferEngine):
         mtu = min(self._v.mtu, port.active_mtu)
         return [local_info(rc, self._dev.gid, port.lid, mtu) for rc in qps]
 
-    def _connect_all(self, qps: list[RcQp], remote: list, inbound_source: str | None = None) -> None:
+    def _connect_all(self, qps: list[RcQp], remote: list, inbound_source: str | None = None,
+                     state: "_Outbound | None" = None) -> None:
+        """Drive ``qps`` to RTS towards ``remote``, then hand them to the completion loop. A
+        reconnecting peer is CONNECTED again before its QPs can carry (and fail) a write, so a
+        failure right after the reconnect starts the next one instead of being dropped."""
         port = self._dev.port
         for rc, info in zip(qps, remote, strict=True):
             connect_qp(rc, info, self._v, port.gid_index, port.active_mtu)
+        if state is not None:
+            with self._lock:
+                if state.state == PeerState.RECONNECTING:
+                    state.state = PeerState.CONNECTED
         for rc in qps:
             self._loop.add(rc, inbound_source)
 
@@ -329,10 +337,7 @@ class VerbsEngine(TransferEngine):
             reply = state.replies.get(timeout=self._cfg.connect_timeout_s)
             if isinstance(reply, Exception):
                 raise reply
-            self._connect_all(qps, reply)
-            with self._lock:
-                if state.state == PeerState.RECONNECTING:
-                    state.state = PeerState.CONNECTED
+            self._connect_all(qps, reply, state=state)
             log.info("verbs: reconnected to %s", state.peer_id)
         except (queue.Empty, KVTransferError, OSError) as exc:
             for rc in qps:

@@ -99,7 +99,9 @@ def test_kill9_prefill_mid_transfer_frees_decode_blocks_only_after_its_qps_are_g
     before the 240 s quarantine, and no write lands after that."""
     config = LauncherConfig(http_port=0, registry_port=0, num_blocks=128, log_dir=str(tmp_path),
                             transfer_engine="verbs", startup_timeout_s=STARTUP_S, grace_s=20,
-                            router_args=("--prefill-timeout-s", "600"),
+                            # one attempt: a retry would reserve blocks that the dead prefill
+                            # never wrote, which stay quarantined by design (no writer known)
+                            router_args=("--prefill-timeout-s", "600", "--max-attempts", "1"),
                             worker_args=("--quarantine-s", "240", "--prefill-timeout-s", "200",
                                          "--transfer-timeout-s", "200"))
     cluster = Cluster(config).start()
