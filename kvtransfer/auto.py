@@ -1,23 +1,62 @@
 """``auto``: a primary engine (verbs when an RDMA device exists, else tcp) plus shm for peers on the
 same host. Both share one memory table, one completion tracker and one arrival handler, so keys,
-handles and immediates are the same whichever path a peer uses."""
+handles and immediates are the same whichever path a peer uses.
+
+Choosing the primary (:func:`choose_primary`): no pyverbs or no RDMA device -> tcp; otherwise
+the verbs engine is built, and if that fails for any reason (port down, no usable GID, memlock,
+a pyverbs error) the reason is logged and tcp is used: a worker never fails to start because
+its RDMA set-up did. :attr:`AutoEngine.choice` says which and why (``pdserve doctor`` shows it).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtransfer.base import (ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine,
                              WriteCompletion, WriteHandle, WriteOp)
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import Shared
 from kvtransfer.endpoint import EndpointInfo, MemoryRegion, local_host_id
-from kvtransfer.errors import TransferError
+from kvtransfer.errors import EngineUnavailableError, TransferError
 from kvtransfer.shm import ShmEngine
 
 log = logging.getLogger(__name__)
 
 PrimaryFactory = Callable[[EngineConfig, Shared], TransferEngine]
+
+
+@dataclass(frozen=True, slots=True)
+class PrimaryChoice:
+    """Which engine carries ``auto``'s off-host peers (``"verbs"`` or ``"tcp"``) and why."""
+
+    name: str
+    reason: str
+
+
+def choose_primary(config: EngineConfig, shared: Shared) -> tuple[TransferEngine, PrimaryChoice]:
+    """Build the primary engine (see the module docstring). Raises only what tcp raises."""
+    from kvtransfer.tcp import TcpEngine
+    from kvtransfer.verbs_support import list_rdma_devices
+
+    try:
+        list_rdma_devices()
+    except EngineUnavailableError as exc:
+        log.info("transfer engine auto: tcp (%s)", exc)
+        return TcpEngine(config, shared=shared), PrimaryChoice("tcp", f"verbs not possible: {exc}")
+    try:
+        from kvtransfer.verbs import VerbsEngine
+        engine = VerbsEngine(config, shared=shared)
+    except Exception as exc:   # noqa: BLE001 - whatever broke verbs set-up, the worker falls back
+        log.warning("transfer engine auto: verbs set-up failed (%s: %s); falling back to tcp",
+                    type(exc).__name__, exc)
+        return TcpEngine(config, shared=shared), PrimaryChoice("tcp", f"verbs set-up failed: {exc}")
+    port = engine.device.port
+    reason = (f"{engine.device.name} port {port.port} {port.state_name} ({port.link_layer_name}), GID index "
+              f"{port.gid_index} ({port.gid_reason}), active MTU {port.active_mtu}")
+    log.info("transfer engine auto: verbs on %s", reason)
+    return engine, PrimaryChoice("verbs", reason)
 
 
 class AutoEngine(TransferEngine):
@@ -26,10 +65,14 @@ class AutoEngine(TransferEngine):
 
     name = "auto"
 
-    def __init__(self, config: EngineConfig, primary: PrimaryFactory,
+    def __init__(self, config: EngineConfig, primary: PrimaryFactory | None = None,
                  arrivals: ArrivalHandler | None = None) -> None:
         self._s = Shared.create(config, arrivals)
-        self._primary = primary(config, self._s)
+        if primary is None:
+            self._primary, self.choice = choose_primary(config, self._s)
+        else:
+            self._primary = primary(config, self._s)
+            self.choice = PrimaryChoice(self._primary.name, "given")
         try:
             self._shm = ShmEngine(config, shared=self._s) if config.enable_shm else None
         except BaseException:
@@ -48,10 +91,19 @@ class AutoEngine(TransferEngine):
         self._primary.deregister_memory(region)
 
     def describe(self) -> EndpointInfo:
-        transports = self._primary.describe().transports
+        """The primary's regions (verbs: every MR, CUDA ones included, at the address peers
+        must write to), plus host regions only the shared table knows; shm's and the primary's
+        transports."""
+        primary = self._primary.describe()
+        regions = {r.key: r for r in self._s.memory.regions()}
+        regions.update({r.key: r for r in primary.regions})
+        transports = primary.transports
         if self._shm is not None:
             transports = self._shm.describe().transports + transports
-        return EndpointInfo(self._s.endpoint_id, local_host_id(), self._s.memory.regions(), transports)
+        return EndpointInfo(self._s.endpoint_id, local_host_id(), tuple(regions.values()), transports)
+
+    def flush_arrivals(self) -> None:
+        self._primary.flush_arrivals()
 
     def connect(self, peer: EndpointInfo) -> PeerId:
         if self._shm is not None and ShmEngine.reachable(peer):

@@ -189,6 +189,15 @@ class TransferEngine(abc.ABC):
         """Close the connection to ``peer`` after its posted writes are sent; pending handles
         of that peer that cannot complete fail with ``PeerLostError``. Idempotent."""
 
+    def flush_arrivals(self) -> None:
+        """Receiver: call after a slot's count completed, before compute reads its blocks.
+
+        Makes the bytes that arrived visible to the device that reads them. A no-op for host
+        memory (the completion already orders them); the verbs engine with a CUDA region flushes
+        GPUDirect RDMA writes (``cuFlushGPUDirectRDMAWrites``). May be called from any thread;
+        raises ``TransferError`` if the flush fails.
+        """
+
     @abc.abstractmethod
     def stats(self) -> EngineStats:
         """Counters (see :class:`EngineStats`)."""

@@ -14,6 +14,10 @@ process) on loopback:
   the ceiling of a one-sided write of *scattered* blocks over one TCP stream, which is what the
   KV shapes are (on this machine 0.75-0.85x of ``socket`` for the 128-token KV).
 - ``nixl-tcp`` / ``nixl-local`` / ``mooncake-tcp``: peers, when importable (see :mod:`kvtransfer.bench_peers`).
+- ``verbs``: this package's RDMA engine (``--methods ...,verbs``; ``--verbs-devices RX,TX`` names
+  the receiver's and the writer's device). On a software device (Soft-RoCE, as in the RDMA lab,
+  whose guest CPU is emulated) the table says so: absolute GB/s then mean nothing, only the
+  comparison with tcp measured in the same run does.
 
 Shapes: the KV of 128/512/2048/8192-token prompts in the SmolLM2-135M float32 layout (scattered
 blocks), and 1 GiB (``--quick``: 256 MiB) in 256 KiB and 4 MiB writes.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import socket
 import statistics
@@ -35,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from kvtransfer import (EndpointInfo, EngineConfig, KVLayout, WriteOp, create_engine,
+from kvtransfer import (EndpointInfo, EngineConfig, KVLayout, VerbsConfig, WriteOp, create_engine,
                         plan_writes)
 from kvtransfer.frame import recv_exact_many, send_parts
 from kvtransfer.shm import allocate_shared_buffer
@@ -79,11 +84,13 @@ def bulk_shape(total: int, block: int) -> Shape:
     return Shape(f"{total >> 20}MiB-in-{block >> 10}KiB", total, [ops])
 
 
-def shapes(quick: bool, pool_bytes: int) -> list[Shape]:
+def shapes(quick: bool, pool_bytes: int, names: tuple[str, ...] = ()) -> list[Shape]:
+    """The shapes measured (``names``: only those)."""
     rng = random.Random(0)
     total = (128 << 20) if quick else (1 << 30)
-    return [kv_shape(t, pool_bytes, rng) for t in (128, 512, 2048, 8192)] + [
-        bulk_shape(total, 256 << 10), bulk_shape(total, 4 << 20)]
+    wanted = lambda name: not names or name in names   # noqa: E731
+    out = [kv_shape(t, pool_bytes, rng) for t in (128, 512, 2048, 8192) if wanted(f"kv-{t}tok")]
+    return out + [s for s in (bulk_shape(total, 256 << 10), bulk_shape(total, 4 << 20)) if wanted(s.name)]
 
 
 def timed(fn: Callable[[], None], iters: int, warmup: int = 1) -> list[float]:
@@ -150,11 +157,15 @@ def _socket_receiver(conn, nbytes: int) -> None:
         sock.sendall(b"\x01")
 
 
-def _receiver(conn, kind: str, nbytes: int, streams: int) -> None:
+def engine_config(streams: int, verbs_device: str = "") -> EngineConfig:
+    return EngineConfig(secret=SECRET, streams_per_peer=streams, verbs=VerbsConfig(device=verbs_device))
+
+
+def _receiver(conn, kind: str, nbytes: int, streams: int, verbs_device: str = "") -> None:
     if kind == "socket":
         _socket_receiver(conn, nbytes)
         return
-    engine = create_engine(kind, EngineConfig(secret=SECRET, streams_per_peer=streams), arrivals=_Count())
+    engine = create_engine(kind, engine_config(streams, verbs_device), arrivals=_Count())
     pool, shared = allocate_shared_buffer(nbytes) if kind == "shm" else (_prefaulted(nbytes), None)
     engine.register_memory(pool, shared=shared)
     conn.send(engine.describe().to_bytes())
@@ -163,10 +174,10 @@ def _receiver(conn, kind: str, nbytes: int, streams: int) -> None:
 
 
 class ReceiverProcess:
-    def __init__(self, kind: str, nbytes: int, streams: int = 4) -> None:
+    def __init__(self, kind: str, nbytes: int, streams: int = 4, verbs_device: str = "") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver, args=(child, kind, nbytes, streams), daemon=True)
+        self.proc = ctx.Process(target=_receiver, args=(child, kind, nbytes, streams, verbs_device), daemon=True)
         self.proc.start()
         self.info = self.conn.recv()
 
@@ -217,8 +228,8 @@ def run_socket_sg(src: np.ndarray, sock: socket.socket, shape: Shape, iters: int
 
 
 def run_engine(kind: str, src_pool: torch.Tensor, blob: bytes, shape: Shape, iters: int,
-               streams: int) -> list[float]:
-    engine = create_engine(kind, EngineConfig(secret=SECRET, streams_per_peer=streams))
+               streams: int, verbs_device: str = "") -> list[float]:
+    engine = create_engine(kind, engine_config(streams, verbs_device))
     try:
         local = engine.register_memory(src_pool)
         info = EndpointInfo.from_bytes(blob)
@@ -235,17 +246,33 @@ def run_engine(kind: str, src_pool: torch.Tensor, blob: bytes, shape: Shape, ite
         engine.close()
 
 
+def verbs_note(tx_dev: str, rx_dev: str) -> str:
+    """What the verbs rows measured: the devices, and whether they are software (a software RDMA
+    device has a ``parent`` netdev in sysfs: rxe, siw)."""
+    from kvtransfer.verbs_support import list_rdma_devices
+    first = list_rdma_devices()[0]
+    tx, rx = tx_dev or first, rx_dev or first
+    software = [d for d in {tx, rx} if os.path.exists(f"/sys/class/infiniband/{d}/parent")]
+    note = f"writer {tx} -> receiver {rx}"
+    if software:
+        note += (f"; {', '.join(sorted(software))} is a software RDMA device (Soft-RoCE): its bytes are moved "
+                 "by the CPU, which in the RDMA lab is emulated (QEMU TCG), so absolute GB/s are "
+                 "meaningless - only the comparison with tcp in the same run means anything")
+    return note
+
+
 def add_ratios(results: list[Result]) -> None:
     by = {(r.shape, r.method): r for r in results}
     for r in results:
-        for other in ("memcpy", "socket", "socket-sg", "nixl-tcp", "nixl-local", "mooncake-tcp"):
+        peers = ("memcpy", "socket", "socket-sg", "nixl-tcp", "nixl-local", "mooncake-tcp")
+        for other in peers + (("tcp",) if r.method == "verbs" else ()):
             o = by.get((r.shape, other))
             if o is not None and o is not r:
                 r.ratios[other] = r.gbps / o.gbps
 
 
 def print_table(results: list[Result]) -> None:
-    cols = ["memcpy", "socket", "socket-sg", "nixl-tcp", "nixl-local", "mooncake-tcp"]
+    cols = ["memcpy", "socket", "socket-sg", "tcp", "nixl-tcp", "nixl-local", "mooncake-tcp"]
     print(f"{'shape':<22}{'method':<14}{'MB':>9}{'GB/s':>8}{'p50 ms':>9}{'p99 ms':>9}  ratios")
     for r in results:
         ratios = " ".join(f"{k}={r.ratios[k]:.2f}" for k in cols if k in r.ratios)
@@ -258,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--methods", default="memcpy,socket,socket-sg,tcp,shm,peers")
     parser.add_argument("--streams", type=int, default=2, help="tcp streams per peer")
+    parser.add_argument("--shapes", default="", help="only these shapes (comma separated names)")
+    parser.add_argument("--pool-mib", type=int, default=None,
+                        help="pool size per side (default 448 with --quick, else 1024); shapes must fit")
+    parser.add_argument("--verbs-devices", default="", metavar="RX,TX",
+                        help="verbs: the receiver's and the writer's RDMA device (default: the first)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="passes over every method (default 1 with --quick, else 3); each "
                              "(shape, method) is summarised over the iterations of all passes, so a "
@@ -265,9 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
     rounds = args.rounds or (1 if args.quick else 3)
-    pool_bytes = (448 << 20) if args.quick else (1 << 30)
+    pool_bytes = (args.pool_mib << 20) if args.pool_mib else (448 << 20) if args.quick else (1 << 30)
     kv_iters, bulk_iters = (5, 2) if args.quick else (10, 3)
-    all_shapes = shapes(args.quick, pool_bytes)
+    all_shapes = shapes(args.quick, pool_bytes, tuple(filter(None, args.shapes.split(","))))
+    rx_dev, _, tx_dev = args.verbs_devices.partition(",")
     src_pool = torch.randint(0, 255, (pool_bytes,), dtype=torch.uint8)
     src = src_pool.numpy()
     times: dict[tuple[str, str], list[float]] = {}
@@ -292,11 +325,13 @@ def main(argv: list[str] | None = None) -> int:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     record(name, lambda s: run(src, sock, s, iters(s)))
                 rx.stop()
-        for kind in ("tcp", "shm"):
+        for kind in ("tcp", "shm", "verbs"):
             if kind in methods:
-                rx = ReceiverProcess(kind, pool_bytes, args.streams)
-                record(kind, lambda s: run_engine(kind, src_pool, rx.info, s, iters(s), args.streams))
+                rx = ReceiverProcess(kind, pool_bytes, args.streams, rx_dev)
+                record(kind, lambda s: run_engine(kind, src_pool, rx.info, s, iters(s), args.streams, tx_dev))
                 rx.stop()
+        if "verbs" in methods:
+            notes["verbs"] = verbs_note(tx_dev, rx_dev)
         if "peers" in methods:
             from kvtransfer import bench_peers
             peer_times, notes = bench_peers.run_all(src_pool, all_shapes, iters)
@@ -304,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 times.setdefault(key, []).extend(t)
     by_name = {s.name: s for s in all_shapes}
     order = {s.name: i for i, s in enumerate(all_shapes)}
-    method_order = ["memcpy", "socket", "socket-sg", "tcp", "shm", "nixl-tcp", "nixl-local", "mooncake-tcp"]
+    method_order = ["memcpy", "socket", "socket-sg", "tcp", "shm", "verbs", "nixl-tcp", "nixl-local", "mooncake-tcp"]
     results = [summarize(by_name[shape], method, t) for (shape, method), t in times.items()]
     results.sort(key=lambda r: (order[r.shape], method_order.index(r.method) if r.method in method_order else 99))
     add_ratios(results)

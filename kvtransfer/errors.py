@@ -45,3 +45,10 @@ class EngineUnavailableError(KVTransferError):
 
 class NoRdmaDeviceError(EngineUnavailableError):
     """pyverbs imports but the host has no usable RDMA device."""
+
+
+class GpuRegistrationError(TransferError):
+    """GPU memory could not be registered for RDMA by either GPUDirect path: dma-buf
+    (``ibv_reg_dmabuf_mr``: needs a GPU driver and kernel with dma-buf export, CUDA >= 11.7 and
+    an RDMA driver with dma-buf import) or nvidia-peermem (the ``nvidia_peermem`` kernel module).
+    The message carries each path's own failure."""

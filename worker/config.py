@@ -47,7 +47,7 @@ class WorkerConfig:
             writer's stop cannot be confirmed (must exceed every writer's lease).
         rdma_device: verbs engine: RDMA device name (empty: the first one found).
         rdma_port: verbs engine: HCA port (1-based).
-        rdma_gid_index: verbs engine: GID table index (RoCE v2 is usually 1 or 3).
+        rdma_gid_index: verbs engine: GID table index; -1 = choose (a RoCE v2 GID, IPv4-mapped first).
         rdma_mtu: verbs engine: path MTU in bytes (256..4096).
         tls_cert / tls_key / tls_ca: PEM files enabling TLS on gRPC (all three, or none).
         secret: cluster secret authenticating data-plane peers (>= 16 bytes).
@@ -75,7 +75,7 @@ class WorkerConfig:
     quarantine_s: float = 90.0
     rdma_device: str = ""
     rdma_port: int = 1
-    rdma_gid_index: int = 0
+    rdma_gid_index: int = -1
     rdma_mtu: int = 4096
     tls_cert: str | None = None
     tls_key: str | None = None

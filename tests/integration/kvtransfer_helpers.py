@@ -32,15 +32,26 @@ def blocks_digest(pool: torch.Tensor, block_ids: list[int]) -> str:
     return hashlib.sha256(gathered.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str) -> None:
-    from kvtransfer import CompletionCounter, EngineConfig, allocate_shared_buffer, create_engine
+def engine_config(**overrides: Any) -> Any:
+    """The tests' EngineConfig; ``verbs`` may be a dict of VerbsConfig fields."""
+    from kvtransfer import EngineConfig, VerbsConfig
+
+    verbs = overrides.pop("verbs", None)
+    if isinstance(verbs, dict):
+        overrides["verbs"] = VerbsConfig(**verbs)
+    return EngineConfig(secret=SECRET, **overrides)
+
+
+def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str,
+                   overrides: dict | None = None) -> None:
+    from kvtransfer import CompletionCounter, allocate_shared_buffer, create_engine
 
     dtype = getattr(torch, dtype_name)
     shape = pool_shape(num_blocks)
     nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
     done_events: list[tuple[int, int, int]] = []
     counter = CompletionCounter(64, on_done=lambda s, g, st: done_events.append((s, g, int(st))))
-    engine = create_engine(engine_name, EngineConfig(secret=SECRET), arrivals=counter)
+    engine = create_engine(engine_name, engine_config(**(overrides or {})), arrivals=counter)
     raw, shared = allocate_shared_buffer(nbytes) if engine_name in ("shm", "auto") else (
         torch.zeros(nbytes, dtype=torch.uint8), None)
     pool = raw.view(dtype).view(shape)
@@ -56,6 +67,7 @@ def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str
         "stats": lambda: (asdict(engine.stats()), asdict(counter.stats()), list(done_events)),
         "region_key": lambda: region.key,
         "zero": lambda: raw.zero_() is None,
+        "qp_states": lambda: engine.qp_states() if engine_name == "verbs" else {},
     }
     while True:
         cmd, args = conn.recv()
@@ -83,10 +95,11 @@ def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str
 class Receiver:
     """Handle on a receiver process: ``call(cmd, *args)`` runs a command there."""
 
-    def __init__(self, engine_name: str, num_blocks: int, dtype: str = "float32") -> None:
-        ctx = mp.get_context("spawn")
+    def __init__(self, engine_name: str, num_blocks: int, dtype: str = "float32",
+                 overrides: dict | None = None, start_method: str = "spawn") -> None:
+        ctx = mp.get_context(start_method)
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, engine_name, num_blocks, dtype),
+        self.proc = ctx.Process(target=_receiver_main, args=(child, engine_name, num_blocks, dtype, overrides),
                                 name=f"kv-receiver-{engine_name}", daemon=True)
         self.proc.start()
         if not self._conn.poll(60):
@@ -109,14 +122,15 @@ class Receiver:
         return names
 
 
-def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple) -> None:
+def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple,
+                 overrides: dict | None = None) -> None:
     """A writer that connects, then posts the same transfer in a loop until killed."""
-    from kvtransfer import (EndpointInfo, EngineConfig, KVLayout, create_engine, pack_immediate,
-                            plan_writes, to_write_ops)
+    from kvtransfer import (EndpointInfo, KVLayout, create_engine, pack_immediate, plan_writes,
+                            to_write_ops)
 
     src_ids, dst_ids, dst_blocks, slot, gen = plan_args
     pool = torch.randn(pool_shape(num_blocks))
-    engine = create_engine(engine_name, EngineConfig(secret=SECRET))
+    engine = create_engine(engine_name, engine_config(**(overrides or {})))
     local = engine.register_memory(pool)
     info = EndpointInfo.from_bytes(blob)
     peer = engine.connect(info)
@@ -136,11 +150,12 @@ def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan
             engine.wait(handle, 30)
 
 
-def spawn_writer(engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple) -> tuple[Any, Any, str]:
+def spawn_writer(engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple,
+                 overrides: dict | None = None, start_method: str = "spawn") -> tuple[Any, Any, str]:
     """Start a looping writer; returns (process, pipe, its endpoint id)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_writer_main, args=(child, engine_name, blob, num_blocks, plan_args),
+    proc = ctx.Process(target=_writer_main, args=(child, engine_name, blob, num_blocks, plan_args, overrides),
                        name="kv-writer", daemon=True)
     proc.start()
     if not parent.poll(60):

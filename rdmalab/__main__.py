@@ -1,0 +1,5 @@
+import sys
+
+from rdmalab.cli import main
+
+sys.exit(main())
