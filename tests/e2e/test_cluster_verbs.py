@@ -1,22 +1,20 @@
-"""The cluster over verbs on a real RDMA stack (Soft-RoCE in the lab; rdma marker): ``pdserve up
---transfer-engine verbs`` (router, 1 prefill, 1 decode as separate processes) answers greedy
-prompts exactly as the single-process engine does; kill -9 of the prefill worker mid-transfer
-frees the decode worker's blocks only once the writer is reported lost, which the verbs engine
-does only after destroying that writer's QPs (test_verbs_engine.py checks that ordering)."""
+"""The cluster over verbs on a real RDMA stack (Soft-RoCE in the lab; rdma marker): the cluster
+``pdserve up --transfer-engine verbs`` starts (router, 1 prefill, 1 decode as separate processes,
+through the launcher ``pdserve up`` runs) answers greedy prompts exactly as the single-process
+engine does; then kill -9 of the prefill worker mid-transfer frees the decode worker's blocks only
+once the writer is reported lost, which the verbs engine does only after destroying that writer's
+QPs (test_verbs_engine.py checks that ordering). One cluster serves both tests, in this order:
+under the lab's emulated CPU a cluster takes minutes to start."""
 
 from __future__ import annotations
 
-import queue
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from deploy.launcher import Cluster, LauncherConfig, free_port
+from deploy.launcher import Cluster, LauncherConfig
 from tests.e2e.conftest import openai_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.rdma, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -57,92 +55,70 @@ def _decode_counters(url: str) -> dict:
                                "reserved": s.load.reserved_blocks}
 
 
-def test_pdserve_up_over_verbs_answers_like_the_single_process_engine(tmp_path, reference, tokenizer):
-    http_port, registry_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "deploy.cli", "up", "--transfer-engine", "verbs", "--http-port", str(http_port),
-            "--registry-port", str(registry_port), "--num-blocks", "256", "--log-dir", str(tmp_path),
-            "--startup-timeout", str(STARTUP_S)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], name="up-stdout", daemon=True)
-    reader.start()
-    url = f"http://127.0.0.1:{http_port}"
-    try:
-        seen: list[str] = []
-        deadline = time.monotonic() + STARTUP_S + 60
-        while not any("pdserve is up" in l for l in seen):
-            try:
-                seen.append(lines.get(timeout=5))
-            except queue.Empty:
-                assert proc.poll() is None, "".join(seen)
-                assert time.monotonic() < deadline, "".join(seen)
-        workers = httpx.get(f"{url}/admin/workers", timeout=30).json()
-        assert {(w["role"], w["transfer_engine"], w["state"]) for w in workers} == {
-            ("prefill", "verbs", "CONNECTED"), ("decode", "verbs", "CONNECTED")}
-        _assert_greedy(url, reference, tokenizer)
-        counters = _decode_counters(url)
-        assert counters["kv_writes_received"] > 0 and counters["free"] == counters["total"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(10)
-    decode_log = (tmp_path / "decode-0.log").read_text()
-    assert "verbs engine on rxe" in decode_log
-
-
-def test_kill9_prefill_mid_transfer_frees_decode_blocks_only_after_its_qps_are_gone(tmp_path):
-    """The prefill worker is killed while the KV of a prompt is arriving; the decode worker frees
-    the request's blocks when the writer's loss is reported (its QPs destroyed first), long
-    before the 240 s quarantine, and no write lands after that."""
-    config = LauncherConfig(http_port=0, registry_port=0, num_blocks=128, log_dir=str(tmp_path),
+@pytest.fixture(scope="module")
+def verbs_cluster(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("verbs-cluster")
+    config = LauncherConfig(http_port=0, registry_port=0, num_blocks=128, log_dir=str(log_dir),
                             transfer_engine="verbs", startup_timeout_s=STARTUP_S, grace_s=20,
-                            # one attempt: a retry would reserve blocks that the dead prefill
-                            # never wrote, which stay quarantined by design (no writer known)
+                            # one attempt: a retry after the kill would reserve blocks that the dead
+                            # prefill never wrote, which stay quarantined by design (no writer known)
                             router_args=("--prefill-timeout-s", "600", "--max-attempts", "1"),
                             worker_args=("--quarantine-s", "240", "--prefill-timeout-s", "200",
                                          "--transfer-timeout-s", "200"))
     cluster = Cluster(config).start()
-    try:
-        before = _decode_counters(cluster.url)
-        prompt = " ".join(["The history of the city and its people is long."] * 30)   # ~300 tokens
-        result: dict = {}
+    yield cluster
+    cluster.stop()
 
-        def ask() -> None:
-            try:
-                r = httpx.post(f"{cluster.url}/v1/completions", timeout=900,
-                               json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
-                result["status"] = r.status_code
-            except httpx.HTTPError as exc:
-                result["error"] = str(exc)
 
-        client = threading.Thread(target=ask, name="long-request")
-        client.start()
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:   # the prompt's KV writes are arriving
-            now = _decode_counters(cluster.url)
-            if now["reserved"] > 0 and now["kv_writes_received"] > before["kv_writes_received"]:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the prompt's KV never started arriving")
-        cluster.workers[0].popen.kill()   # prefill-0, mid-transfer
-        killed_at = time.monotonic()
-        while True:   # freed by the writer's loss, not by the quarantine timer
-            now = _decode_counters(cluster.url)
-            if now["free"] == now["total"] and now["reserved"] == 0:
-                break
-            assert time.monotonic() - killed_at < 120, now
-            time.sleep(0.2)
-        assert now["transfers_failed"] > before.get("transfers_failed", 0)
-        settled = now["kv_writes_received"]
-        time.sleep(2.0)
-        assert _decode_counters(cluster.url)["kv_writes_received"] == settled   # nothing lands after
-        client.join(900)
-        assert result.get("status") != 200   # its only prefill worker died
-        decode_log = (tmp_path / "decode-0.log").read_text()
-        assert "verbs engine on rxe" in decode_log
-    finally:
-        cluster.stop()
+def test_pdserve_up_over_verbs_answers_like_the_single_process_engine(verbs_cluster, reference, tokenizer):
+    url = verbs_cluster.url
+    workers = httpx.get(f"{url}/admin/workers", timeout=30).json()
+    assert {(w["role"], w["transfer_engine"], w["state"]) for w in workers} == {
+        ("prefill", "verbs", "CONNECTED"), ("decode", "verbs", "CONNECTED")}
+    _assert_greedy(url, reference, tokenizer)
+    counters = _decode_counters(url)
+    assert counters["kv_writes_received"] > 0 and counters["free"] == counters["total"]
+    assert "verbs engine on rxe" in (verbs_cluster.log_dir / "decode-0.log").read_text()
+
+
+def test_kill9_prefill_mid_transfer_frees_decode_blocks_only_after_its_qps_are_gone(verbs_cluster):
+    """The prefill worker is killed while the KV of a prompt is arriving; the decode worker frees
+    the request's blocks when the writer's loss is reported (its QPs destroyed first), long
+    before the 240 s quarantine, and no write lands after that."""
+    cluster = verbs_cluster
+    before = _decode_counters(cluster.url)
+    prompt = " ".join(["The history of the city and its people is long."] * 30)   # ~300 tokens
+    result: dict = {}
+
+    def ask() -> None:
+        try:
+            r = httpx.post(f"{cluster.url}/v1/completions", timeout=900,
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            result["status"] = r.status_code
+        except httpx.HTTPError as exc:
+            result["error"] = str(exc)
+
+    client = threading.Thread(target=ask, name="long-request")
+    client.start()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:   # the prompt's KV writes are arriving
+        now = _decode_counters(cluster.url)
+        if now["reserved"] > 0 and now["kv_writes_received"] > before["kv_writes_received"]:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the prompt's KV never started arriving")
+    cluster.workers[0].popen.kill()   # prefill-0, mid-transfer
+    killed_at = time.monotonic()
+    while True:   # freed by the writer's loss, not by the quarantine timer
+        now = _decode_counters(cluster.url)
+        if now["free"] == now["total"] and now["reserved"] == 0:
+            break
+        assert time.monotonic() - killed_at < 120, now
+        time.sleep(0.2)
+    assert now["transfers_failed"] > before.get("transfers_failed", 0)
+    settled = now["kv_writes_received"]
+    time.sleep(2.0)
+    assert _decode_counters(cluster.url)["kv_writes_received"] == settled   # nothing lands after
+    client.join(900)
+    assert result.get("status") != 200   # its only prefill worker died
