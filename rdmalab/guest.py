@@ -66,6 +66,10 @@ def qemu_argv(config: LabConfig, assets: Assets, outbox: Path) -> list[str]:
             "-append", "console=ttyS0 loglevel=3 panic=-1",
             "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
             "-virtfs", f"local,path={outbox},mount_tag=outbox,security_model=none",
+            # the working directory again, mounted at its own path after the guest's tmpfs mounts:
+            # a checkout under /tmp would otherwise be hidden by the guest's empty /tmp
+            "-virtfs", f"local,path={config.workdir},mount_tag=workdir,security_model=none,readonly=on,"
+                       "multidevs=remap",
             "-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console",
             "-nic", "none", "-no-reboot"]
 
@@ -120,6 +124,7 @@ class Guest:
         self.outbox.mkdir(parents=True, exist_ok=True)
         (self.outbox / "rc").unlink(missing_ok=True)
         (self.outbox / "command.sh").write_text(command_script(self.argv, self.config.workdir, self.env))
+        (self.outbox / "workdir").write_text(f"{self.config.workdir}\n")   # where init mounts it
         self._t0 = time.monotonic()
         self._proc = subprocess.Popen(qemu_argv(self.config, self.assets, self.outbox), stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,

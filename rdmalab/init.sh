@@ -35,6 +35,11 @@ for d in /tmp /run /var/tmp; do
     [ -d "/newroot$d" ] && mount -t tmpfs -o mode=1777 tmpfs "/newroot$d"
 done
 mkdir -p /newroot/tmp/rdmalab /newroot/tmp/home
+# The working directory, shared on its own (a checkout under /tmp is hidden by the tmpfs above).
+wd=$(cat /outbox/workdir)
+mkdir -p "/newroot$wd" 2>/dev/null
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 workdir "/newroot$wd" \
+    || die "cannot mount the working directory $wd"
 mount --bind /outbox /newroot/tmp/rdmalab
 
 say "phase network"

@@ -1,5 +1,7 @@
 """Two-process kvtransfer tests: a receiver process (decode side) and this process as the writer,
-for the tcp and shm engines."""
+for the tcp and shm engines: what their wire format adds to the engine contract (out-of-order
+frames, mixed good/bad batches, auth, grouped acks). The contract itself (every engine, verbs
+included) is test_kvtransfer_contract.py."""
 
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def transfer(writer, receiver, src_ids, dst_ids, *, shuffle=False, expect_first=
     return slot, gen
 
 
-@pytest.mark.parametrize("num_tokens", [1, 17, 300, 2048, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 300, 8192])   # 17 and 2048: test_kvtransfer_contract.py
 def test_kv_shaped_transfer_is_byte_exact(writer, receiver, num_tokens):
     src_ids, dst_ids = scattered_ids(random.Random(num_tokens), num_tokens)
     before = receiver.call("stats")[1]["completed"]
@@ -120,19 +122,6 @@ def test_kv_shaped_transfer_is_byte_exact(writer, receiver, num_tokens):
 def test_out_of_order_and_count_learned_late(writer, receiver):
     src_ids, dst_ids = scattered_ids(random.Random(7), 1000)
     transfer(writer, receiver, src_ids, dst_ids, shuffle=True, expect_first=False, seed=3)
-
-
-def test_stale_generation_is_dropped(writer, receiver):
-    engine, pool, local, peer, info = writer
-    src_layout, dst_layout = layouts(pool)
-    slot, old_gen = receiver.call("acquire", 30.0)
-    receiver.call("release", slot, old_gen)             # abort: generation bumps
-    stale_before = receiver.call("stats")[1]["stale_dropped"]
-    plan = plan_writes(src_layout, dst_layout, [0, 1], [10, 11], MAX_WRITE, layers=range(0, 2))
-    engine.wait(engine.post_writes(peer, to_write_ops(plan, local, info.regions[0].key,
-                                                      pack_immediate(slot, old_gen))), 30)
-    assert receiver.call("stats")[1]["stale_dropped"] == stale_before + len(plan)
-    assert receiver.call("state", slot) == (0, 0)        # FREE, nothing counted
 
 
 def test_bad_key_and_out_of_bounds_are_rejected(engine_name, writer, receiver):

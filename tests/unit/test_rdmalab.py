@@ -87,6 +87,8 @@ def test_guest_command_and_qemu_line(tmp_path):
     joined = " ".join(argv)
     assert "-nic none" in joined and "readonly=on" in joined and "multidevs=remap" in joined
     assert "tcg" in joined and f"path={tmp_path},mount_tag=outbox" in joined
+    # the checkout is shared on its own too: a clone under /tmp is hidden by the guest's tmpfs
+    assert f"path={LabConfig().workdir},mount_tag=workdir" in joined and "workdir" in init_script().decode()
     with pytest.raises(ValueError):
         LabConfig(accel="auto")
 
