@@ -84,6 +84,16 @@ def command_script(argv: Sequence[str], workdir: Path, env: Mapping[str, str]) -
     return "\n".join(lines) + "\n"
 
 
+def _precompile(workdir: Path) -> None:
+    """Byte-compile the working directory's Python files (hidden directories such as ``.venv``
+    excluded) on the host: the guest sees the checkout read-only and compiles each module again in
+    every process otherwise, under its emulated CPU (a fresh clone has no ``__pycache__``)."""
+    import compileall
+    import re
+
+    compileall.compile_dir(str(workdir), quiet=1, rx=re.compile(r"/\."))
+
+
 def _die_with_parent() -> None:   # runs in the child between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
 
@@ -121,6 +131,7 @@ class Guest:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Guest":
+        _precompile(self.config.workdir)
         self.outbox.mkdir(parents=True, exist_ok=True)
         (self.outbox / "rc").unlink(missing_ok=True)
         (self.outbox / "command.sh").write_text(command_script(self.argv, self.config.workdir, self.env))
