@@ -16,7 +16,8 @@ import sys
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "native"],
+                   help="fp32 (reference), bf16, or native: the GGUF's 4-bit projections as stored")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
 
 
@@ -28,8 +29,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     set_torch_threads(args.threads)
     try:
-        loaded = load_model(args.model, args.dtype)
-        gen = build_generator(loaded, CacheConfig(num_blocks=args.num_blocks, dtype=args.dtype))
+        loaded = load_model(args.model, args.weights)
+        gen = build_generator(loaded, CacheConfig(num_blocks=args.num_blocks, dtype=loaded.dtype))
         tk = loaded.tokenizer
         text = args.prompt if args.raw else tk.apply_chat_template([{"role": "user", "content": args.prompt}])
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -56,7 +57,8 @@ def _up(args: argparse.Namespace) -> int:
         config = LauncherConfig(
             num_prefill=args.prefill, num_decode=args.decode, http_host=args.http_host,
             http_port=args.http_port, registry_port=args.registry_port,
-            transfer_engine=args.transfer_engine, model=args.model, num_blocks=args.num_blocks,
+            transfer_engine=args.transfer_engine, model=args.model, weights=args.weights,
+            num_blocks=args.num_blocks,
             threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
             grace_s=args.grace, serving_mode=args.serving_mode,
             colocated_threshold_tokens=args.colocated_threshold_tokens,
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     u.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     u.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1)")
+    u.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "native"],
+                   help="every worker's weights: fp32 (reference), bf16, or native (the GGUF's 4-bit "
+                        "projections as stored)")
     u.add_argument("--serving-mode", default="disaggregated",
                    choices=["disaggregated", "colocated", "auto"],
                    help="colocated: decode workers run whole requests (no KV transfer); "

@@ -30,13 +30,15 @@ def _prompt_ids(tokenizer, n: int) -> list[int]:
     return tokenizer.encode(text)[:n]
 
 
-def measure_engine(prompt: list[int], max_tokens: int, repeats: int) -> tuple[list[float], list[float]]:
+def measure_engine(prompt: list[int], max_tokens: int, repeats: int,
+                   weights: str = "fp32") -> tuple[list[float], list[float]]:
     from engine.config import CacheConfig
     from engine.loader import build_generator, load_model, set_torch_threads
     from engine.sampling import SamplingParams
 
     set_torch_threads(1)
-    gen = build_generator(load_model(), CacheConfig(num_blocks=512))
+    loaded = load_model(weights=weights)
+    gen = build_generator(loaded, CacheConfig(num_blocks=512, dtype=loaded.dtype))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     ttfts, itls = [], []
     for r in range(repeats + 1):
@@ -77,6 +79,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--transfer-engine", default="auto")
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "native"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--settle-s", type=float, default=20.0,
                     help="idle time after the cluster is up before measuring (workers finish warming up)")
@@ -85,16 +88,16 @@ def main(argv=None) -> dict:
     from engine.modelfile import default_model_path
 
     prompt = _prompt_ids(Tokenizer.from_file(default_model_path()), args.prompt_tokens)
-    rows = {"engine": measure_engine(prompt, args.max_tokens, args.repeats)}
-    config = LauncherConfig(http_port=0, registry_port=0, transfer_engine=args.transfer_engine,
+    rows = {"engine": measure_engine(prompt, args.max_tokens, args.repeats, args.weights)}
+    config = LauncherConfig(http_port=0, registry_port=0, transfer_engine=args.transfer_engine, weights=args.weights,
                             log_dir=tempfile.mkdtemp(prefix="pdserve-latency-"))
     with Cluster(config).start() as cluster:
         time.sleep(args.settle_s)
         rows["disaggregated"] = measure_cluster(cluster.url, prompt, args.max_tokens, args.repeats)
     result = {"prompt_tokens": len(prompt), "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "transfer_engine": args.transfer_engine, "rows": {}}
+              "transfer_engine": args.transfer_engine, "weights": args.weights, "rows": {}}
     print(f"prompt {len(prompt)} tokens, {args.max_tokens} new tokens, median of {args.repeats}, "
-          f"transfer engine {args.transfer_engine}")
+          f"transfer engine {args.transfer_engine}, weights {args.weights}")
     print(f"{'path':14} {'TTFT ms':>9} {'ITL ms':>8}")
     for name, (ttfts, itls) in rows.items():
         ttft, itl = statistics.median(ttfts) * 1e3, statistics.median(itls) * 1e3

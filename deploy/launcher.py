@@ -52,6 +52,7 @@ class LauncherConfig:
         registry_port: the router's Registry gRPC port on 127.0.0.1 (0: a free port).
         transfer_engine: the workers' kvtransfer engine ("auto": shm between same-host peers).
         model: GGUF file or HF directory (None: the default SmolLM2-135M-Instruct).
+        weights: every worker's ``--weights`` ("fp32", "bf16", "native").
         num_blocks: KV pool blocks per worker (None: the worker default).
         threads: torch threads per worker.
         log_dir: where ``<name>.log`` files go (None: a new temporary directory).
@@ -73,6 +74,7 @@ class LauncherConfig:
     registry_port: int = 50050
     transfer_engine: str = "auto"
     model: str | None = None
+    weights: str = "fp32"
     num_blocks: int | None = None
     threads: int = 1
     log_dir: str | None = None
@@ -104,6 +106,8 @@ class LauncherConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.weights not in ("fp32", "bf16", "native"):   # engine.config.WEIGHT_MODES (deploy imports no torch)
+            raise ValueError(f"weights must be fp32, bf16 or native, got {self.weights!r}")
         if self.startup_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("startup_timeout_s and grace_s must be > 0")
 
@@ -195,7 +199,7 @@ class Cluster:
         role = name.split("-")[0]
         argv = [sys.executable, "-m", role, "--router", f"127.0.0.1:{self.registry_port}",
                 "--listen", "127.0.0.1:0", "--worker-id", name,
-                "--transfer-engine", c.transfer_engine, "--threads", str(c.threads)]
+                "--transfer-engine", c.transfer_engine, "--threads", str(c.threads), "--weights", c.weights]
         if c.num_blocks is not None:
             argv += ["--num-blocks", str(c.num_blocks)]
         if c.model:

@@ -1,12 +1,15 @@
 """Engine throughput against Hugging Face transformers on the same weights and thread count.
 
-    python -m engine.bench [--threads 1] [--quick] [--json PATH]
+    python -m engine.bench [--threads 1] [--quick] [--weights fp32,native] [--json PATH]
 
 Measures, in one run and side by side:
 - prefill tokens/s for one prompt of 128 / 512 / 2048 tokens (KV written to the pool / cache);
 - decode tokens/s for a batch of 1 / 8 / 32 sequences (128-token prompts, 32 decode steps timed).
 Transformers runs a plain ``model(...)`` loop with its KV cache (no ``generate`` overhead), so the
-reference is as fast as transformers gets. Prints a table with the ratio ours / transformers.
+reference is as fast as transformers gets (float32: the weights dequantized from the GGUF). Each
+``--weights`` mode runs beside it; the table gives ours / transformers and, for every mode but the
+first, its speed-up over the first. The header names the CPU's instruction set as torch sees it
+and each mode's kernel path (oneDNN packed or plain matmuls; int4 kernel up to how many rows).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def _median_time(fn, reps: int) -> float:
 
 
 def bench_prefill_ours(loaded, n: int, reps: int) -> float:
-    pool = KVPool(loaded.config, CacheConfig(num_blocks=-(-n // 16) + 1))
+    pool = KVPool(loaded.config, CacheConfig(num_blocks=-(-n // 16) + 1, dtype=loaded.dtype))
     blocks = pool.allocator.allocate(-(-n // 16))
     ids = torch.randint(100, 40000, (n,)).tolist()
     batch = ForwardBatch.build([SeqChunk(ids, 0, blocks)], 16)
@@ -52,7 +55,7 @@ def bench_prefill_hf(hf, n: int, reps: int) -> float:
 
 def bench_decode_ours(loaded, batch: int, prompt_len: int, steps: int) -> float:
     blocks_per_seq = -(-(prompt_len + steps + 2) // 16)
-    pool = KVPool(loaded.config, CacheConfig(num_blocks=batch * blocks_per_seq))
+    pool = KVPool(loaded.config, CacheConfig(num_blocks=batch * blocks_per_seq, dtype=loaded.dtype))
     gen = Generator(loaded.model, pool, None, SchedulerConfig(max_num_seqs=batch,
                                                               max_num_batched_tokens=prompt_len * batch))
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
@@ -82,35 +85,100 @@ def bench_decode_hf(hf, batch: int, prompt_len: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
+def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int = 50) -> list[dict]:
+    """Layer 0's projections (wqkv, wo, gate/up, down) of the native weights, microseconds per set
+    at each row count: the int4 kernel, the dense copy native mode falls back to, and float32
+    (fp32 mode's path), all through ``backend``. Where int4 stops winning is ``max_int4_rows``."""
+    from engine.linear import Linear
+    from engine.quant import Int4Linear
+    from engine.weights import load_weights
+
+    _, weights = load_weights(path, torch.float32, native=True)
+    layer = weights.layers[0]
+    quantized = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+    native = [Int4Linear(w, max_int4_rows=0, dense_backend=backend) for w in quantized]
+    fp32 = [Linear(w.dequantize(), backend) for w in quantized]
+    out = []
+    for m in rows:
+        xs = [torch.randn(m, w.shape[1]) for w in quantized]
+
+        def run(fn) -> float:
+            return _median_time(lambda: [fn(i) for i in range(len(xs))], reps) * 1e6
+
+        int4 = run(lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xs[i].bfloat16(), native[i]._packed, 32, native[i]._scale_zero))
+        dense = run(lambda i: native[i](xs[i]))   # max_int4_rows=0: always the dense copy
+        f32 = run(lambda i: fp32[i](xs[i]))
+        out.append({"rows": m, "int4_us": int4, "dense_us": dense, "fp32_us": f32})
+    return out
+
+
+def kernel_path(loaded) -> str:
+    """How this mode's projections run, e.g. ``onednn`` or ``int4 (<= 4 rows) + onednn bf16``."""
+    model = loaded.model
+    if getattr(model, "quantized", False):
+        from engine.quant import dense_dtype
+
+        rows, dense = model._layers[0].wqkv.max_int4_rows, str(dense_dtype()).removeprefix("torch.")
+        return f"int4 (<= {rows} rows), {model.linear_backend} {dense} above; lm_head {model.linear_backend} {dense}"
+    return f"{model.linear_backend} {loaded.dtype}"
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both engines")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
+    ap.add_argument("--weights", default="fp32", help="comma-separated --weights modes (fp32, bf16, native)")
+    ap.add_argument("--linears", action="store_true",
+                    help="also time one layer's projections per row count: int4 kernel vs dense copies")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.weights.split(",") if m.strip()]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model()
-    hf = AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name,
+    models = {m: load_model(weights=m) for m in modes}
+    first = models[modes[0]]
+    hf = AutoModelForCausalLM.from_pretrained(str(first.path.parent), gguf_file=first.path.name,
                                               dtype=torch.float32).eval()
     reps, steps = (2, 8) if args.quick else (5, 32)
+    shapes = [("prefill", n) for n in (128, 512, 2048)] + [("decode", b) for b in (1, 8, 32)]
     rows = []
-    for n in (128, 512, 2048):
-        ours, theirs = bench_prefill_ours(loaded, n, reps), bench_prefill_hf(hf, n, reps)
-        rows.append({"phase": "prefill", "size": n, "pdserve_tok_s": ours, "transformers_tok_s": theirs})
-    for b in (1, 8, 32):
-        ours, theirs = bench_decode_ours(loaded, b, 128, steps), bench_decode_hf(hf, b, 128, steps)
-        rows.append({"phase": "decode", "size": b, "pdserve_tok_s": ours, "transformers_tok_s": theirs})
-    print(f"threads={args.threads}  model={loaded.config.name}  dtype=float32")
-    print(f"{'phase':8} {'size':>6} {'pdserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>7}")
+    for phase, size in shapes:
+        if phase == "prefill":
+            theirs = bench_prefill_hf(hf, size, reps)
+            ours = {m: bench_prefill_ours(models[m], size, reps) for m in modes}
+        else:
+            theirs = bench_decode_hf(hf, size, 128, steps)
+            ours = {m: bench_decode_ours(models[m], size, 128, steps) for m in modes}
+        for m in modes:
+            rows.append({"phase": phase, "size": size, "weights": m, "pdserve_tok_s": ours[m],
+                         "transformers_tok_s": theirs, "ratio": ours[m] / theirs,
+                         "vs_first": ours[m] / ours[modes[0]]})
+    isa = torch.backends.cpu.get_cpu_capability()
+    print(f"threads={args.threads}  model={first.config.name}  cpu={isa}  transformers=float32")
+    for m in modes:
+        print(f"  {m}: {kernel_path(models[m])}")
+    print(f"{'phase':8} {'size':>6} {'weights':>8} {'pdserve tok/s':>14} {'transformers tok/s':>19} "
+          f"{'ratio':>7} {'vs ' + modes[0]:>9}")
     for r in rows:
-        r["ratio"] = r["pdserve_tok_s"] / r["transformers_tok_s"]
         label = "tokens" if r["phase"] == "prefill" else "batch"
-        print(f"{r['phase']:8} {r['size']:>6} {r['pdserve_tok_s']:>14.1f} {r['transformers_tok_s']:>19.1f} "
-              f"{r['ratio']:>6.2f}x  ({label})")
-    result = {"threads": args.threads, "quick": args.quick, "rows": rows}
+        print(f"{r['phase']:8} {r['size']:>6} {r['weights']:>8} {r['pdserve_tok_s']:>14.1f} "
+              f"{r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f}x {r['vs_first']:>8.2f}x  ({label})")
+    result = {"threads": args.threads, "quick": args.quick, "cpu_capability": isa,
+              "kernel_paths": {m: kernel_path(models[m]) for m in modes}, "rows": rows}
+    if args.linears and "native" in models:
+        from engine.quant import dense_dtype
+
+        lin = bench_linears(models["native"].path, models["native"].model.linear_backend,
+                            reps=10 if args.quick else 50)
+        dense = str(dense_dtype()).removeprefix("torch.")
+        print(f"\none layer's projections, microseconds per call (dense copy: {dense})")
+        print(f"{'rows':>5} {'int4':>9} {'dense':>9} {'fp32':>9}")
+        for r in lin:
+            print(f"{r['rows']:>5} {r['int4_us']:>9.0f} {r['dense_us']:>9.0f} {r['fp32_us']:>9.0f}")
+        result["linears"] = lin
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -12,6 +12,18 @@ import torch
 from engine.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --weights: how the model's weights are held -> the dtype of activations and of the KV pool.
+# fp32: the reference (greedy == transformers); bf16: every tensor bfloat16; native: the GGUF's
+# 4-bit projections run as stored (engine.quant, bfloat16 matmul inputs), everything else
+# (norms, rotary, attention, residual stream, KV pool) float32 as in fp32 mode.
+WEIGHT_MODES = {"fp32": "float32", "bf16": "bfloat16", "native": "float32"}
+
+
+def weights_dtype(weights: str) -> str:
+    """The activation / KV pool dtype of a ``--weights`` mode. Raises ValueError for another mode."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {sorted(WEIGHT_MODES)}, got {weights!r}")
+    return WEIGHT_MODES[weights]
 
 
 @dataclass(frozen=True)
@@ -105,15 +117,17 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
-def compatibility_hash(model: ModelConfig, cache: CacheConfig) -> str:
+def compatibility_hash(model: ModelConfig, cache: CacheConfig, weights: str = "fp32") -> str:
     """Hash of everything two workers must agree on to exchange KV blocks.
 
-    Covers the model hyper-parameters, the pool dtype, the block size and the pool layout
+    Covers the model hyper-parameters, the weights mode (``native`` and ``bf16`` weights give
+    different K/V for the same tokens), the pool dtype, the block size and the pool layout
     ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (num_blocks excluded:
     pools may differ in size). Returns 16 hex characters.
     """
     payload = {
         "model": dataclasses.asdict(model),
+        "weights": weights,
         "dtype": cache.dtype,
         "block_size": cache.block_size,
         "layout": "L,2,N,B,H,D",

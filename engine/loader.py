@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, weights_dtype
 from engine.generator import Generator
 from engine.kv_cache import KVPool
 from engine.model import LlamaModel
@@ -19,12 +19,19 @@ from engine.weights import load_weights
 
 @dataclass
 class LoadedModel:
-    """A loaded model and its tokenizer. ``path`` is the resolved file or directory."""
+    """A loaded model and its tokenizer. ``path`` is the resolved file or directory; ``weights``
+    the mode it was loaded in (`engine.config.WEIGHT_MODES`)."""
 
     path: Path
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
+    weights: str = "fp32"
+
+    @property
+    def dtype(self) -> str:
+        """Activation and KV pool dtype name ("float32", "bfloat16")."""
+        return weights_dtype(self.weights)
 
 
 def set_torch_threads(num_threads: int | None) -> None:
@@ -33,24 +40,36 @@ def set_torch_threads(num_threads: int | None) -> None:
     torch.set_num_threads(max(1, n))
 
 
-def load_model(model: str | Path | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu") -> LoadedModel:
     """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
-    ``device``: "cpu" or "cuda[:n]" (weights are moved there; matmuls use ``F.linear``).
 
+    Args:
+        weights: "fp32", "bf16" or "native" (`engine.config.WEIGHT_MODES`).
+        device: "cpu" or "cuda[:n]" (weights are moved there; matmuls use ``F.linear``).
     Raises:
-        ModelLoadError / TokenizerError: missing or malformed files.
-        ValueError: unknown dtype, or a CUDA device on a machine without one.
+        ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
+            with no 4-bit projections.
+        ValueError: unknown weights mode; native weights on CUDA or without the int4 kernel in
+            this torch build; a CUDA device on a machine without one.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    dtype = weights_dtype(weights)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but torch sees no CUDA device")
+    native = weights == "native"
+    if native:
+        from engine.quant import int4_kernel_available
+
+        if dev.type != "cpu":
+            raise ValueError("native (4-bit) weights run on the CPU only; use --weights bf16 on CUDA")
+        if not int4_kernel_available():
+            raise ValueError("native weights need torch's CPU int4 kernel (aten._weight_int4pack_mm_for_cpu), "
+                             f"missing or wrong in torch {torch.__version__}; use --weights bf16")
     path = resolve_model_path(model)
-    config, weights = load_weights(path, DTYPES[dtype])
+    config, loaded = load_weights(path, DTYPES[dtype], native=native)
     if dev.type != "cpu":
-        weights = _to_device(weights, dev)
-    return LoadedModel(path, config, LlamaModel(config, weights), Tokenizer.from_file(path))
+        loaded = _to_device(loaded, dev)
+    return LoadedModel(path, config, LlamaModel(config, loaded), Tokenizer.from_file(path), weights)
 
 
 def _to_device(w, dev: torch.device):
@@ -67,6 +86,6 @@ def _to_device(w, dev: torch.device):
 def build_generator(loaded: LoadedModel, cache: CacheConfig | None = None,
                     scheduler: SchedulerConfig | None = None) -> Generator:
     """A `Generator` with a fresh KV pool."""
-    cache = cache or CacheConfig(dtype=str(loaded.model.dtype).removeprefix("torch."))
+    cache = cache or CacheConfig(dtype=loaded.dtype)
     pool = KVPool(loaded.config, cache, device=loaded.model.device)
     return Generator(loaded.model, pool, loaded.tokenizer, scheduler or SchedulerConfig())

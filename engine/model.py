@@ -16,6 +16,7 @@ from engine.attention import ForwardBatch, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
 from engine.linear import Linear, resolve_backend
+from engine.quant import BF16Linear, Int4Linear, Int4Weight
 from engine.weights import LlamaWeights
 
 LayerCallback = Callable[[int], None]
@@ -27,11 +28,14 @@ class LlamaModel:
     The model holds no per-request state: K/V live in the `KVPool` passed to `forward`.
     """
 
-    def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto"):
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
+                 max_int4_rows: int = 4):
         """Args:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
+            max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
+                many tokens per forward pass, their dequantized bfloat16 copy above it.
         Raises:
-            ValueError: unknown or unusable linear backend.
+            ValueError: unknown or unusable linear backend; 4-bit projections on a non-CPU device.
         """
         self.config = config
         self.dtype = weights.embed.dtype
@@ -40,8 +44,13 @@ class LlamaModel:
         self._norms = [(layer.attn_norm, layer.ffn_norm) for layer in weights.layers]
         backend = resolve_backend(linear_backend, weights.embed.device)
         self.linear_backend = backend
-        self._layers = [_LayerLinears(layer, backend) for layer in weights.layers]
-        self._lm_head = Linear(weights.lm_head, backend)
+        self.quantized = any(isinstance(p, Int4Weight) for layer in weights.layers
+                             for p in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        if self.quantized and weights.embed.device.type != "cpu":
+            raise ValueError("4-bit (native) weights run on the CPU only")
+        self._layers = [_LayerLinears(layer, backend, max_int4_rows) for layer in weights.layers]
+        # native: the LM head in bfloat16 (see BF16Linear); else in the model's dtype
+        self._lm_head = (BF16Linear if self.quantized else Linear)(weights.lm_head, backend)
         self.device = weights.embed.device
         self._cos, self._sin = (t.to(self.device) for t in _rope_tables(config, self.dtype))
         c = config
@@ -71,7 +80,7 @@ class LlamaModel:
         sin = self._sin.index_select(0, batch.positions)[:, None, :]
         t = h.shape[0]
         for i, ((attn_norm, ffn_norm), lin) in enumerate(zip(self._norms, self._layers)):
-            x = F.rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
+            x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = lin.wqkv(x)
             q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
             q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
@@ -82,22 +91,37 @@ class LlamaModel:
             v_pool.index_copy_(0, batch.slot_mapping, v)
             attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size)
             h = h + lin.wo(attn)
-            x = F.rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
+            x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
             gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
             h = h + lin.w_down(F.silu(gate) * up)
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = F.rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
+        h = _rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
                        self._final_norm, c.rms_norm_eps)
         return self._lm_head(h).float()
 
 
 class _LayerLinears:
-    def __init__(self, layer, backend: str):
-        self.wqkv = Linear(layer.wqkv, backend)
-        self.wo = Linear(layer.wo, backend)
-        self.w_gate_up = Linear(layer.w_gate_up, backend)
-        self.w_down = Linear(layer.w_down, backend)
+    def __init__(self, layer, backend: str, max_int4_rows: int):
+        def make(w):
+            return Int4Linear(w, max_int4_rows, backend) if isinstance(w, Int4Weight) else Linear(w, backend)
+
+        self.wqkv = make(layer.wqkv)
+        self.wo = make(layer.wo)
+        self.w_gate_up = make(layer.w_gate_up)
+        self.w_down = make(layer.w_down)
+
+
+def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. Float32 input: ``F.rms_norm``. Lower precision (bfloat16):
+    normalized in float32, cast back, then scaled by the weight, as Hugging Face's
+    ``LlamaRMSNorm`` does; ``F.rms_norm`` on bfloat16 loses enough that SmolLM2-135M's greedy
+    answers change ("What is the capital of France?" stops answering Paris)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def _rope_tables(c: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ the model's forward pass: ``wqkv`` is ``[(num_heads + 2 * num_kv_heads) * head_d
 GGUF specifics (source: llama.cpp ``convert_hf_to_gguf.py``, ``LlamaModel.permute``): the
 converter permutes the rows of Q and K so that llama.cpp's rotary kernel can rotate adjacent
 pairs; we undo it, so rotary here uses the Hugging Face "rotate half" convention. Quantized tensors
-(Q4_1, Q8_0, ...) are dequantized with the ``gguf`` package.
+(Q4_1, Q8_0, ...) are dequantized with the ``gguf`` package, except with ``native=True``: then the
+projections stored as Q4_0 / Q4_1 stay 4-bit (`engine.quant.Int4Weight`, run by the int4 kernel).
 """
 
 from __future__ import annotations
@@ -22,19 +23,23 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.modelfile import gguf_field, gguf_reader
+from engine.quant import NATIVE_TYPES, Int4Weight
+
+Projection = torch.Tensor | Int4Weight
 
 
 
 @dataclass
 class LayerWeights:
-    """One decoder block. Shapes: see module docstring; norms are ``[hidden]``."""
+    """One decoder block. Shapes: see module docstring; norms are ``[hidden]``. A projection is a
+    dense tensor, or an `Int4Weight` of the same logical shape when loaded natively."""
 
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor
-    wo: torch.Tensor
+    wqkv: Projection
+    wo: Projection
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate_up: Projection
+    w_down: Projection
 
 
 @dataclass
@@ -47,20 +52,26 @@ class LlamaWeights:
     lm_head: torch.Tensor
 
 
-def load_weights(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, LlamaWeights]:
+def load_weights(path: str | Path, dtype: torch.dtype = torch.float32,
+                 native: bool = False) -> tuple[ModelConfig, LlamaWeights]:
     """Load a GGUF file or a Hugging Face directory (config.json + *.safetensors).
 
     Args:
         path: a ``.gguf`` file or a directory.
-        dtype: parameter dtype (float32 or bfloat16).
+        dtype: parameter dtype (float32 or bfloat16) of every dense tensor.
+        native: keep the GGUF's Q4_0 / Q4_1 projections 4-bit (`engine.quant`).
     Raises:
-        ModelLoadError: missing/malformed file or unsupported architecture.
+        ModelLoadError: missing/malformed file, unsupported architecture, or ``native`` for a
+            model with no Q4_0 / Q4_1 projection (a Hugging Face directory, an F16 GGUF).
     """
     path = Path(path)
     if path.is_dir():
+        if native:
+            raise ModelLoadError(f"{path}: native weights need a GGUF file with Q4_0/Q4_1 tensors; "
+                                 "this is a Hugging Face directory (use fp32 or bf16)")
         return _load_hf_dir(path, dtype)
     if path.suffix == ".gguf" or path.is_file():
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, native)
     raise ModelLoadError(f"not a model file or directory: {path}")
 
 
@@ -107,24 +118,37 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeights]:
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[ModelConfig, LlamaWeights]:
     import gguf
 
     reader = gguf_reader(path)
     cfg = _gguf_config(reader, path)
-    raw = {}
+    raw: dict[str, np.ndarray | Int4Weight] = {}
     for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            if native and kind in NATIVE_TYPES and tensor.name.split(".")[-2] in _PROJECTIONS:
+                k = int(tensor.shape[0])   # ggml's ne[0]: the row length (in_features)
+                raw[tensor.name] = Int4Weight.from_gguf(tensor.data, kind, (int(tensor.n_elements) // k, k))
+            else:
+                raw[tensor.name] = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
-            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name}: {exc}") from exc
-        raw[tensor.name] = array
+            raise ModelLoadError(f"{path}: cannot load {tensor.name} ({kind}): {exc}") from exc
+    if native and not any(isinstance(v, Int4Weight) for v in raw.values()):
+        raise ModelLoadError(f"{path}: native weights need Q4_0/Q4_1 projections; this file has none "
+                             "(use fp32 or bf16)")
 
-    def take(name: str, permute_heads: int | None = None) -> np.ndarray:
+    def take(name: str, permute_heads: int | None = None) -> np.ndarray | Int4Weight:
         if name not in raw:
             raise ModelLoadError(f"{path}: missing tensor {name}")
         array = raw[name]
         if permute_heads is not None:
+            if isinstance(array, Int4Weight):
+                rows = np.arange(array.shape[0])[:, None]
+                return array.take_rows(unpermute_rotary_rows(rows, permute_heads)[:, 0])
             array = unpermute_rotary_rows(array, permute_heads)
         return array
 
@@ -155,14 +179,22 @@ def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(dtype)
 
 
-def _fuse_layer(cfg: ModelConfig, dtype: torch.dtype, **w: np.ndarray) -> LayerWeights:
+def _projection(parts: list, dtype: torch.dtype) -> Projection:
+    """Row-stack projections: 4-bit when every part is, else dense (a mixed layer dequantizes)."""
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return parts[0] if len(parts) == 1 else Int4Weight.cat(parts)
+    dense = [p.dequantize().numpy() if isinstance(p, Int4Weight) else p for p in parts]
+    return _tensor(np.concatenate(dense, axis=0), dtype)
+
+
+def _fuse_layer(cfg: ModelConfig, dtype: torch.dtype, **w) -> LayerWeights:
     return LayerWeights(
         attn_norm=_tensor(w["attn_norm"], dtype),
-        wqkv=_tensor(np.concatenate([w["q"], w["k"], w["v"]], axis=0), dtype),
-        wo=_tensor(w["o"], dtype),
+        wqkv=_projection([w["q"], w["k"], w["v"]], dtype),
+        wo=_projection([w["o"]], dtype),
         ffn_norm=_tensor(w["ffn_norm"], dtype),
-        w_gate_up=_tensor(np.concatenate([w["gate"], w["up"]], axis=0), dtype),
-        w_down=_tensor(w["down"], dtype),
+        w_gate_up=_projection([w["gate"], w["up"]], dtype),
+        w_down=_projection([w["down"]], dtype),
     )
 
 

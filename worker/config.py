@@ -10,6 +10,7 @@ import socket
 import uuid
 from dataclasses import dataclass, fields
 
+from engine.config import weights_dtype
 from rpc.auth import DEV_SECRET, read_secret
 
 ROLES = ("prefill", "decode")
@@ -27,7 +28,9 @@ class WorkerConfig:
         advertise_host: host the router and peers should dial (default: the listen host).
         worker_id: unique name (default: role-hostname-random).
         model: GGUF file or HF directory (None: SmolLM2-135M-Instruct).
-        dtype: "float32" or "bfloat16" (weights and KV pool).
+        weights: "fp32", "bf16" or "native" (the GGUF's 4-bit projections as stored; bfloat16
+            activations and KV pool): `engine.config.WEIGHT_MODES`. Prefill and decode workers
+            of one cluster must agree (it is part of the compatibility hash).
         device: "cpu" or "cuda[:n]": where weights and the KV pool live. A CUDA pool is registered
             for GPUDirect RDMA and needs the verbs transfer engine.
         num_blocks: KV pool blocks of ``block_size`` tokens.
@@ -59,7 +62,7 @@ class WorkerConfig:
     advertise_host: str = ""
     worker_id: str = ""
     model: str | None = None
-    dtype: str = "float32"
+    weights: str = "fp32"
     device: str = "cpu"
     num_blocks: int = 2048
     block_size: int = 16
@@ -94,6 +97,9 @@ class WorkerConfig:
         for name in ("heartbeat_interval_s", "transfer_timeout_s", "prefill_timeout_s", "quarantine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        weights_dtype(self.weights)   # ValueError for an unknown mode
+        if self.weights == "native" and self.device != "cpu":
+            raise ValueError("native (4-bit) weights run on the CPU only; use --weights bf16 on CUDA")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
         if self.device.startswith("cuda") and self.transfer_engine not in ("verbs", "auto"):
@@ -106,6 +112,11 @@ class WorkerConfig:
         _split_hostport(self.router)
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+
+    @property
+    def dtype(self) -> str:
+        """Activation and KV pool dtype of ``weights`` ("float32" or "bfloat16")."""
+        return weights_dtype(self.weights)
 
     @property
     def listen_host(self) -> str:

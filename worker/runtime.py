@@ -63,7 +63,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         ModelLoadError, kvtransfer.EngineUnavailableError, ValueError.
     """
     set_torch_threads(config.threads)
-    loaded = loaded or load_model(config.model, config.dtype, config.device)
+    loaded = loaded or load_model(config.model, config.weights, config.device)
     cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks, dtype=config.dtype)
     nbytes = KVPool.nbytes_for(loaded.config, cache)
     shared = None
@@ -82,7 +82,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     transfer = create_engine(config.transfer_engine, engine_config, arrivals)
     region = transfer.register_memory(buffer[:nbytes], shared=shared)
     return WorkerResources(config, loaded, cache, pool, KVLayout.from_tensor(pool.kv), transfer, region,
-                           compatibility_hash(loaded.config, cache), shared)
+                           compatibility_hash(loaded.config, cache, loaded.weights), shared)
 
 
 class WorkerService(Protocol):
@@ -135,7 +135,8 @@ class WorkerServer:
 
     def start(self) -> None:
         self.registration.start()
-        log.info("%s worker %s serving on %s", self.res.config.role, self.res.config.worker_id, self.address)
+        log.info("%s worker %s serving on %s (weights %s, KV %s)", self.res.config.role,
+                 self.res.config.worker_id, self.address, self.res.loaded.weights, self.res.cache.dtype)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Drain, leave the router, stop the server, release everything. Idempotent."""

@@ -54,6 +54,10 @@ def test_launcher_serving_modes_and_pinning(tmp_path):
         LauncherConfig(colocated_threshold_tokens=64)
     with pytest.raises(ValueError, match="cpu_affinity"):
         LauncherConfig(cpu_affinity=(10_000,))
+    with pytest.raises(ValueError, match="weights"):
+        LauncherConfig(weights="int4")
+    native = Cluster(LauncherConfig(weights="native", log_dir=str(tmp_path)))
+    assert all(w.argv[w.argv.index("--weights") + 1] == "native" for w in native.workers)
     c = Cluster(LauncherConfig(num_prefill=0, num_decode=3, serving_mode="colocated",
                                cpu_affinity=(0,), log_dir=str(tmp_path)))
     assert [w.name for w in c.workers] == ["decode-0", "decode-1", "decode-2"]

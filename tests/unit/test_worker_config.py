@@ -25,6 +25,8 @@ def test_defaults_and_generated_worker_id():
     ({"role": "decode", "listen": "nohost"}, "host:port"),
     ({"role": "decode", "secret": b"short"}, "secret"),
     ({"role": "decode", "quarantine_s": 10.0}, "quarantine_s"),
+    ({"role": "decode", "weights": "int4"}, "weights"),
+    ({"role": "decode", "weights": "native", "device": "cuda", "transfer_engine": "verbs"}, "CPU only"),
 ])
 def test_invalid_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -36,8 +38,9 @@ def test_cli_flags_mirror_fields(monkeypatch):
     ap = argparse.ArgumentParser()
     WorkerConfig.add_arguments(ap)
     c = WorkerConfig.from_args("prefill", ap.parse_args(["--num-blocks", "64", "--transfer-engine", "tcp",
-                                                         "--transfer-timeout-s", "5"]))
+                                                         "--transfer-timeout-s", "5", "--weights", "native"]))
     assert (c.num_blocks, c.transfer_engine, c.transfer_timeout_s) == (64, "tcp", 5.0)
+    assert (c.weights, c.dtype) == ("native", "float32")
     assert c.secret == b"0123456789abcdef-from-env"
 
 

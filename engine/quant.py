@@ -1,0 +1,204 @@
+"""GGUF-native 4-bit weights: the file's Q4_0 / Q4_1 blocks run as a group-wise int4 matmul.
+
+A GGUF Q4_1 block (llama.cpp ``ggml-common.h``, ``block_q4_1``) holds 32 weights of one row as
+``d`` (float16 scale), ``m`` (float16 minimum) and 16 bytes of 4-bit codes, element ``j`` in the
+low nibble of byte ``j`` and element ``j + 16`` in its high nibble; ``w = d * q + m``. Q4_0
+(``block_q4_0``) has no minimum: ``w = d * (q - 8)``. torch's CPU int4 weight-only matmul
+(``aten._weight_int4pack_mm_for_cpu``, the kernel torchao's int4 weight-only CPU path calls) takes
+the same codes with a per-group ``(scale, zero)`` pair and computes ``w = (q - 8) * scale + zero``
+(``aten/src/ATen/native/cpu/int4mm_kernel.cpp``), so both formats map onto it:
+``scale = d``, ``zero = m + 8 d`` (Q4_1) or ``0`` (Q4_0). The 4-bit codes are used as stored (no
+requantization); the kernel takes each group's scale and zero in the activation dtype, so they
+are rounded to bfloat16 (relative error <= 2^-9), as the matmul inputs are.
+
+The kernel is fast for few rows (a matrix-vector product reading half a byte per weight) and slow
+for many (it is not blocked over rows). `Int4Linear` therefore keeps, beside the packed codes, the
+same weights dequantized once into oneDNN's packed layout and uses that for inputs of more than
+``max_int4_rows`` rows (prefill chunks, large decode batches): bfloat16 where the CPU multiplies
+bfloat16 natively (AVX512-BF16, AMX), float32 elsewhere (`dense_dtype`). The matmul inputs are cast to
+bfloat16 (the kernel's float32 path is a scalar reference loop, ~10x slower); the outputs come
+back in the caller's dtype, so the rest of the model (norms, rotary, attention, the residual
+stream, the KV pool) stays float32. A model run entirely in bfloat16 drifts: SmolLM2-135M's greedy
+answers change (see `engine.config.WEIGHT_MODES`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZE = 32   # QK4_0 == QK4_1 == 32 in ggml
+WEIGHT_MODES = ("fp32", "bf16", "native")
+# GGUF type name -> (bytes per 32-weight block, has a minimum)
+_BLOCK = {"Q4_0": (18, False), "Q4_1": (20, True)}
+NATIVE_TYPES = frozenset(_BLOCK)
+
+
+class QuantFormatError(ValueError):
+    """A tensor's bytes do not have the shape its GGUF quantization type implies."""
+
+
+def bf16_matmul_fast() -> bool:
+    """True when oneDNN has native bfloat16 matmuls on this CPU (AVX512-BF16 or AMX); without
+    them a bfloat16 matmul is emulated and slower than float32, so dense copies stay float32."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def dense_dtype() -> torch.dtype:
+    """The dtype of native mode's dense copies (see `bf16_matmul_fast`)."""
+    return torch.bfloat16 if bf16_matmul_fast() else torch.float32
+
+
+def int4_kernel_available() -> bool:
+    """True when this torch build has the CPU int4 weight-only matmul and it agrees with a
+    dequantized float matmul on random data (within bfloat16 tolerance)."""
+    ops = torch.ops.aten
+    if not (hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (64, 64), dtype=torch.uint8, generator=gen)
+        w = Int4Weight(codes, torch.rand(64, 2, generator=gen) * 0.1, -torch.rand(64, 2, generator=gen) * 0.5)
+        x = torch.randn(3, 64, generator=gen)
+        lin = Int4Linear(w, max_int4_rows=8, dense_backend="torch")
+        y = lin(x)
+    except (RuntimeError, NotImplementedError):
+        return False
+    ref = x.bfloat16().float() @ w.dequantize().T
+    return bool(torch.allclose(y, ref, atol=5e-2, rtol=2e-2))
+
+
+@dataclass
+class Int4Weight:
+    """Group-wise asymmetric 4-bit weights ``w = scale * q + minimum`` (groups of 32 along a row).
+
+    Attributes:
+        codes: ``[out_features, in_features]`` uint8, values 0..15.
+        scale: ``[out_features, in_features // 32]`` float32.
+        minimum: ``[out_features, in_features // 32]`` float32.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """``[out_features, in_features]`` float32, exactly the values llama.cpp dequantizes."""
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return (q * self.scale[..., None] + self.minimum[..., None]).view(n, k)
+
+    def take_rows(self, index: np.ndarray) -> "Int4Weight":
+        """Rows reordered by ``index`` (a permutation of output rows, e.g. undoing the rotary one)."""
+        idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
+        return Int4Weight(self.codes[idx], self.scale[idx], self.minimum[idx])
+
+    @staticmethod
+    def cat(parts: list["Int4Weight"]) -> "Int4Weight":
+        """Stack along output rows (fusing Q/K/V or gate/up)."""
+        return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.minimum for p in parts]))
+
+    @staticmethod
+    def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> "Int4Weight":
+        """Decode a GGUF tensor's raw blocks.
+
+        Args:
+            data: the tensor's bytes, ``[rows, bytes_per_row]`` uint8 (``gguf.ReaderTensor.data``).
+            type_name: ``"Q4_0"`` or ``"Q4_1"``.
+            shape: ``(out_features, in_features)``; ``in_features`` a multiple of 32.
+        Raises:
+            QuantFormatError: another type, or bytes that do not match the shape.
+        """
+        if type_name not in _BLOCK:
+            raise QuantFormatError(f"{type_name} is not a native 4-bit type ({sorted(_BLOCK)})")
+        block_bytes, has_min = _BLOCK[type_name]
+        n, k = shape
+        if k % GROUP_SIZE:
+            raise QuantFormatError(f"in_features {k} is not a multiple of {GROUP_SIZE}")
+        groups = k // GROUP_SIZE
+        raw = np.ascontiguousarray(data, dtype=np.uint8)
+        if raw.size != n * groups * block_bytes:
+            raise QuantFormatError(f"{type_name} tensor of shape {shape} needs {n * groups * block_bytes} bytes, "
+                                   f"got {raw.size}")
+        blocks = raw.reshape(n, groups, block_bytes)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if has_min:
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            qs = blocks[..., 4:]
+        else:
+            m = -8.0 * d
+            qs = blocks[..., 2:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        return Int4Weight(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)))
+
+
+class Int4Linear:
+    """``y = x @ W.T`` for an `Int4Weight`.
+
+    Args:
+        weight: the quantized weight, ``[out_features, in_features]``.
+        max_int4_rows: inputs with at most this many rows use the int4 kernel; more rows use the
+            dequantized bfloat16 copy (see module docstring). 0: never the int4 kernel.
+        dense_backend: "onednn" or "torch" for the bfloat16 copy (`engine.linear`).
+    Call with ``x``: ``[tokens, in_features]`` float32 or bfloat16; returns ``[tokens, out_features]``
+    in ``x``'s dtype (computed from bfloat16 inputs).
+    Raises:
+        RuntimeError: from torch, when this build lacks the kernel (check `int4_kernel_available`).
+    """
+
+    def __init__(self, weight: Int4Weight, max_int4_rows: int, dense_backend: str):
+        from engine.linear import Linear
+
+        self.out_features, self.in_features = weight.shape
+        self.max_int4_rows = max_int4_rows
+        # innerKTiles is unused by the CPU packing (kept for the CUDA op's signature)
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        zero = weight.minimum + 8.0 * weight.scale
+        # [in_features // 32, out_features, 2]
+        self._scale_zero = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        self._dense_dtype = dense_dtype()
+        self._dense = Linear(weight.dequantize().to(self._dense_dtype), dense_backend)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_int4_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._packed,
+                                                           GROUP_SIZE, self._scale_zero)
+        else:
+            y = self._dense(x.to(self._dense_dtype).contiguous())
+        return y.to(x.dtype)
+
+
+class BF16Linear:
+    """``y = x @ W.T`` with ``W`` held in bfloat16 and ``x`` cast to it (float32 both where the
+    CPU has no native bfloat16 matmul, `dense_dtype`); the output comes back in ``x``'s dtype.
+    Native mode's LM head: the file stores the (tied) embedding as Q8_0, whose values ``d * q``
+    bfloat16 rounds by at most ``|d q| 2^-9 <= 0.25 d``, below Q8_0's own step ``d``; half the
+    bytes of float32 per decode step.
+
+    Args:
+        weight: ``[out_features, in_features]`` (any float dtype).
+        backend: "onednn" or "torch" (`engine.linear`).
+    """
+
+    def __init__(self, weight: torch.Tensor, backend: str):
+        from engine.linear import Linear
+
+        self.out_features, self.in_features = weight.shape
+        self._dtype = dense_dtype()
+        self._lin = Linear(weight.to(self._dtype), backend)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._lin(x.to(self._dtype).contiguous()).to(x.dtype)

@@ -1,0 +1,83 @@
+"""Native 4-bit weights (engine/quant.py): GGUF Q4_0 / Q4_1 blocks decode to exactly the values
+the ``gguf`` package (llama.cpp's own Python reference) dequantizes, and the int4 kernel and the
+dense fallback both compute ``x @ W.T`` within bfloat16 tolerance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import CacheConfig, ModelConfig, compatibility_hash, weights_dtype
+from engine.quant import BF16Linear, Int4Linear, Int4Weight, QuantFormatError, int4_kernel_available
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+pytestmark = pytest.mark.skipif(not int4_kernel_available(),
+                                reason=f"torch {torch.__version__} has no working CPU int4 kernel")
+
+
+def _quantized(kind, n=48, k=96, seed=0):
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, kind), (n, k)
+
+
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1])
+def test_gguf_blocks_decode_to_the_reference_values(kind):
+    data, shape = _quantized(kind)
+    w = Int4Weight.from_gguf(data, kind.name, shape)
+    assert w.codes.dtype == torch.uint8 and int(w.codes.max()) <= 15 and w.scale.shape == (48, 3)
+    ref = gguf.quants.dequantize(data, kind)
+    assert np.array_equal(w.dequantize().numpy(), ref)
+
+
+def test_rows_reorder_and_stack_like_the_dense_tensors():
+    data, shape = _quantized(T.Q4_1)
+    w = Int4Weight.from_gguf(data, "Q4_1", shape)
+    perm = np.random.default_rng(1).permutation(shape[0])
+    dense = w.dequantize()
+    assert torch.equal(w.take_rows(perm).dequantize(), dense[torch.from_numpy(perm)])
+    assert torch.equal(Int4Weight.cat([w, w.take_rows(perm)]).dequantize(),
+                       torch.cat([dense, dense[torch.from_numpy(perm)]]))
+
+
+def test_bad_blocks_are_refused():
+    data, shape = _quantized(T.Q4_1)
+    with pytest.raises(QuantFormatError):
+        Int4Weight.from_gguf(data[:, :-1], "Q4_1", shape)   # a byte short per row
+    with pytest.raises(QuantFormatError):
+        Int4Weight.from_gguf(data, "Q8_0", shape)
+    with pytest.raises(QuantFormatError):
+        Int4Weight.from_gguf(data, "Q4_1", (shape[0] * 2, shape[1] // 2))   # 48 is not a multiple of 32
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("backend", ["torch", "onednn"])
+def test_int4_and_dense_paths_compute_the_same_product(rows, backend):
+    from engine.linear import onednn_available
+
+    if backend == "onednn" and not onednn_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    data, shape = _quantized(T.Q4_1, n=96, k=128)
+    w = Int4Weight.from_gguf(data, "Q4_1", shape)
+    x = torch.randn(rows, 128)
+    ref = x.bfloat16().float() @ w.dequantize().T
+    for max_rows in (0, 64):   # dense copy, int4 kernel
+        y = Int4Linear(w, max_rows, backend)(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, 96)
+        torch.testing.assert_close(y, ref, atol=2e-2, rtol=2e-2)
+    y = BF16Linear(w.dequantize(), backend)(x)
+    torch.testing.assert_close(y, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_weights_modes_and_the_compatibility_hash():
+    assert [weights_dtype(m) for m in ("fp32", "bf16", "native")] == ["float32", "bfloat16", "float32"]
+    with pytest.raises(ValueError):
+        weights_dtype("int4")
+    cfg = ModelConfig(name="m", vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position=64, tie_word_embeddings=True)
+    cache = CacheConfig()
+    # same pool dtype, different K/V: a native prefill must not feed an fp32 decode worker
+    assert compatibility_hash(cfg, cache, "native") != compatibility_hash(cfg, cache, "fp32")
