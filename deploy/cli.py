@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deploy.launcher import WEIGHT_MODES
+
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "native"],
+    p.add_argument("--weights", default="fp32", choices=WEIGHT_MODES,
                    help="fp32 (reference), bf16, or native: the GGUF's 4-bit projections as stored")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
 
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     u.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     u.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1)")
-    u.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "native"],
+    u.add_argument("--weights", default="fp32", choices=WEIGHT_MODES,
                    help="every worker's weights: fp32 (reference), bf16, or native (the GGUF's 4-bit "
                         "projections as stored)")
     u.add_argument("--serving-mode", default="disaggregated",

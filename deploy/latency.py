@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from deploy.launcher import Cluster, LauncherConfig
+from deploy.launcher import WEIGHT_MODES, Cluster, LauncherConfig
 
 
 def _prompt_ids(tokenizer, n: int) -> list[int]:
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--transfer-engine", default="auto")
-    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "native"])
+    ap.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
     ap.add_argument("--json", default=None)
     ap.add_argument("--settle-s", type=float, default=20.0,
                     help="idle time after the cluster is up before measuring (workers finish warming up)")

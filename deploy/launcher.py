@@ -37,6 +37,10 @@ from router.serving import SERVING_MODES, check_mode
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
 
 
+# The --weights modes (engine.config.WEIGHT_MODES, named here because deploy imports no torch).
+WEIGHT_MODES = ("fp32", "bf16", "native")
+
+
 class LaunchError(RuntimeError):
     """A child did not come up; the message names it and carries its log tail."""
 
@@ -106,8 +110,8 @@ class LauncherConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.weights not in ("fp32", "bf16", "native"):   # engine.config.WEIGHT_MODES (deploy imports no torch)
-            raise ValueError(f"weights must be fp32, bf16 or native, got {self.weights!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.startup_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("startup_timeout_s and grace_s must be > 0")
 

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.linear import Linear
+
 log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32   # QK4_0 == QK4_1 == 32 in ggml
-WEIGHT_MODES = ("fp32", "bf16", "native")
 # GGUF type name -> (bytes per 32-weight block, has a minimum)
 _BLOCK = {"Q4_0": (18, False), "Q4_1": (20, True)}
 NATIVE_TYPES = frozenset(_BLOCK)
@@ -160,8 +161,6 @@ class Int4Linear:
     """
 
     def __init__(self, weight: Int4Weight, max_int4_rows: int, dense_backend: str):
-        from engine.linear import Linear
-
         self.out_features, self.in_features = weight.shape
         self.max_int4_rows = max_int4_rows
         # innerKTiles is unused by the CPU packing (kept for the CUDA op's signature)
@@ -194,8 +193,6 @@ class BF16Linear:
     """
 
     def __init__(self, weight: torch.Tensor, backend: str):
-        from engine.linear import Linear
-
         self.out_features, self.in_features = weight.shape
         self._dtype = dense_dtype()
         self._lin = Linear(weight.to(self._dtype), backend)

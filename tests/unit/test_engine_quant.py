@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import config as engine_config
 from engine.config import CacheConfig, ModelConfig, compatibility_hash, weights_dtype
 from engine.quant import BF16Linear, Int4Linear, Int4Weight, QuantFormatError, int4_kernel_available
 
@@ -73,6 +74,8 @@ def test_int4_and_dense_paths_compute_the_same_product(rows, backend):
 
 def test_weights_modes_and_the_compatibility_hash():
     assert [weights_dtype(m) for m in ("fp32", "bf16", "native")] == ["float32", "bfloat16", "float32"]
+    from deploy.launcher import WEIGHT_MODES
+    assert set(WEIGHT_MODES) == set(engine_config.WEIGHT_MODES)   # the torch-free copy agrees
     with pytest.raises(ValueError):
         weights_dtype("int4")
     cfg = ModelConfig(name="m", vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=1,
