@@ -32,7 +32,7 @@ def _generate(args: argparse.Namespace) -> int:
     set_torch_threads(args.threads)
     try:
         loaded = load_model(args.model, args.weights)
-        gen = build_generator(loaded, CacheConfig(num_blocks=args.num_blocks, dtype=loaded.dtype))
+        gen = build_generator(loaded, CacheConfig(num_blocks=args.num_blocks, dtype=loaded.kv_dtype))
         tk = loaded.tokenizer
         text = args.prompt if args.raw else tk.apply_chat_template([{"role": "user", "content": args.prompt}])
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

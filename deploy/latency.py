@@ -38,7 +38,7 @@ def measure_engine(prompt: list[int], max_tokens: int, repeats: int,
 
     set_torch_threads(1)
     loaded = load_model(weights=weights)
-    gen = build_generator(loaded, CacheConfig(num_blocks=512, dtype=loaded.dtype))
+    gen = build_generator(loaded, CacheConfig(num_blocks=512, dtype=loaded.kv_dtype))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     ttfts, itls = [], []
     for r in range(repeats + 1):

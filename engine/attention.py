@@ -6,11 +6,13 @@ already in the KV pool (a previous chunk, or blocks written by a remote prefill 
 tokens' K/V are written into the pool first, then every query attends to positions ``<= its own``.
 
 Two paths:
-- decode (every sequence adds exactly one token): K/V of all sequences are gathered from the pool
+- decode (a sequence adds exactly one token): K/V of all such sequences are gathered from the pool
   through a padded ``[B, max_blocks]`` block table and attended in one batched SDPA call, with a
   mask hiding positions past each sequence's length.
 - prefill: per sequence, causal SDPA over the fresh K/V when the sequence has no earlier context,
   otherwise over the K/V gathered from the pool with an offset causal mask.
+A mixed pass (prompt chunks beside decoding sequences, `engine.generator`) runs its one-token
+sequences through the batched decode path and the others per sequence.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ class ForwardBatch:
         slot_mapping: ``[T]`` int64, flat pool slot of each new token.
         logits_indices: ``[N]`` int64, rows of the hidden state to turn into logits.
         is_decode: every sequence adds exactly one token.
-        seq_ranges: prefill only: ``(first_row, num_tokens, context_len, block_ids)`` per sequence.
-        block_tables: decode only: ``[B, max_blocks]`` int64 (padded with block 0).
-        attn_mask: decode only: ``[B, 1, 1, max_blocks * block_size]`` bool, True = attend.
+        seq_ranges: ``(first_row, num_tokens, context_len, block_ids)`` per sequence.
+        block_tables: ``[D, max_blocks]`` int64 (padded with block 0), the D one-token sequences.
+        attn_mask: ``[D, 1, 1, max_blocks * block_size]`` bool, True = attend.
+        decode_rows: mixed passes only: ``[D]`` int64, the rows of the one-token sequences
+            (None when there are none, or when every sequence is one: then all rows, in order).
     """
 
     input_ids: torch.Tensor
@@ -64,6 +68,7 @@ class ForwardBatch:
     seq_ranges: list[tuple[int, int, int, torch.Tensor]]
     block_tables: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], block_size: int) -> "ForwardBatch":
@@ -94,8 +99,12 @@ class ForwardBatch:
             is_decode=all(len(c.token_ids) == 1 for c in chunks),
             seq_ranges=ranges,
         )
-        if batch.is_decode:
-            batch._build_decode_tables(block_size)
+        singles = [i for i, r in enumerate(ranges) if r[1] == 1]
+        if len(singles) == len(ranges):
+            batch._build_decode_tables(block_size, ranges)
+        elif len(singles) > 1:   # one alone is as cheap through the per-sequence path
+            batch._build_decode_tables(block_size, [ranges[i] for i in singles])
+            batch.decode_rows = torch.tensor([ranges[i][0] for i in singles], dtype=torch.long)
         return batch
 
     def to(self, device: torch.device) -> "ForwardBatch":
@@ -104,13 +113,13 @@ class ForwardBatch:
         return ForwardBatch(move(self.input_ids), move(self.positions), move(self.slot_mapping),
                             move(self.logits_indices), self.is_decode,
                             [(a, b, c, move(d)) for a, b, c, d in self.seq_ranges],
-                            move(self.block_tables), move(self.attn_mask))
+                            move(self.block_tables), move(self.attn_mask), move(self.decode_rows))
 
-    def _build_decode_tables(self, block_size: int) -> None:
-        max_blocks = max(r[3].numel() for r in self.seq_ranges)
-        tables = torch.zeros((len(self.seq_ranges), max_blocks), dtype=torch.long)
-        lens = torch.empty(len(self.seq_ranges), dtype=torch.long)
-        for i, (_, _, ctx, blocks) in enumerate(self.seq_ranges):
+    def _build_decode_tables(self, block_size: int, ranges) -> None:
+        max_blocks = max(r[3].numel() for r in ranges)
+        tables = torch.zeros((len(ranges), max_blocks), dtype=torch.long)
+        lens = torch.empty(len(ranges), dtype=torch.long)
+        for i, (_, _, ctx, blocks) in enumerate(ranges):
             tables[i, : blocks.numel()] = blocks
             lens[i] = ctx
         self.block_tables = tables
@@ -132,7 +141,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if batch.is_decode:
         return _decode_attention(q, k_pool, v_pool, batch, block_size)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    if batch.decode_rows is not None:
+        out[batch.decode_rows] = _decode_attention(q.index_select(0, batch.decode_rows), k_pool, v_pool,
+                                                   batch, block_size)
     for first, n, ctx, blocks in batch.seq_ranges:
+        if n == 1 and batch.decode_rows is not None:
+            continue   # done above
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         if ctx == n:
             ks = k[first:first + n].transpose(0, 1).unsqueeze(0)
@@ -154,10 +168,11 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: i
 
 
 def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int) -> torch.Tensor:
-    b = q.shape[0]
-    tables = batch.block_tables
-    ks = k_pool.view(-1, block_size, *k_pool.shape[1:])[tables].flatten(1, 2).transpose(1, 2)
-    vs = v_pool.view(-1, block_size, *v_pool.shape[1:])[tables].flatten(1, 2).transpose(1, 2)
+    b, span = q.shape[0], batch.block_tables.shape[1] * block_size
+    flat = batch.block_tables.view(-1)   # index_select: ~20% faster than advanced indexing here
+    ks = k_pool.view(-1, block_size, *k_pool.shape[1:]).index_select(0, flat).view(b, span, *k_pool.shape[1:])
+    vs = v_pool.view(-1, block_size, *v_pool.shape[1:]).index_select(0, flat).view(b, span, *v_pool.shape[1:])
+    ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=batch.attn_mask,
                                        enable_gqa=True)
     return o.reshape(b, -1)

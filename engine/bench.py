@@ -40,7 +40,7 @@ def _median_time(fn, reps: int) -> float:
 
 
 def bench_prefill_ours(loaded, n: int, reps: int) -> float:
-    pool = KVPool(loaded.config, CacheConfig(num_blocks=-(-n // 16) + 1, dtype=loaded.dtype))
+    pool = KVPool(loaded.config, CacheConfig(num_blocks=-(-n // 16) + 1, dtype=loaded.kv_dtype))
     blocks = pool.allocator.allocate(-(-n // 16))
     ids = torch.randint(100, 40000, (n,)).tolist()
     batch = ForwardBatch.build([SeqChunk(ids, 0, blocks)], 16)
@@ -55,7 +55,7 @@ def bench_prefill_hf(hf, n: int, reps: int) -> float:
 
 def bench_decode_ours(loaded, batch: int, prompt_len: int, steps: int) -> float:
     blocks_per_seq = -(-(prompt_len + steps + 2) // 16)
-    pool = KVPool(loaded.config, CacheConfig(num_blocks=batch * blocks_per_seq, dtype=loaded.dtype))
+    pool = KVPool(loaded.config, CacheConfig(num_blocks=batch * blocks_per_seq, dtype=loaded.kv_dtype))
     gen = Generator(loaded.model, pool, None, SchedulerConfig(max_num_seqs=batch,
                                                               max_num_batched_tokens=prompt_len * batch))
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
@@ -114,14 +114,16 @@ def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int 
 
 
 def kernel_path(loaded) -> str:
-    """How this mode's projections run, e.g. ``onednn`` or ``int4 (<= 4 rows) + onednn bf16``."""
+    """How this mode's projections run and its KV dtype, e.g. ``onednn float32, KV float32``."""
     model = loaded.model
     if getattr(model, "quantized", False):
         from engine.quant import dense_dtype
 
         rows, dense = model._layers[0].wqkv.max_int4_rows, str(dense_dtype()).removeprefix("torch.")
-        return f"int4 (<= {rows} rows), {model.linear_backend} {dense} above; lm_head {model.linear_backend} {dense}"
-    return f"{model.linear_backend} {loaded.dtype}"
+        head = model._lm_head.max_int8_rows
+        return (f"int4 (<= {rows} rows), {model.linear_backend} {dense} above; lm_head int8 (<= {head} rows), "
+                f"{model.linear_backend} {dense} above; KV {loaded.kv_dtype}")
+    return f"{model.linear_backend} {loaded.dtype}, KV {loaded.kv_dtype}"
 
 
 def main(argv=None) -> dict:

@@ -12,18 +12,27 @@ import torch
 from engine.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# --weights: how the model's weights are held -> the dtype of activations and of the KV pool.
+# --weights: how the model's weights are held -> the dtype of activations, and of the KV pool.
 # fp32: the reference (greedy == transformers); bf16: every tensor bfloat16; native: the GGUF's
-# 4-bit projections run as stored (engine.quant, bfloat16 matmul inputs), everything else
-# (norms, rotary, attention, residual stream, KV pool) float32 as in fp32 mode.
+# 4-bit projections run as stored (engine.quant, bfloat16 matmul inputs), norms, rotary and the
+# residual stream float32 as in fp32 mode, K/V stored and attended in bfloat16 (llama.cpp's
+# default KV cache is float16 for the same reason: a decode step reads every cached K/V; bfloat16
+# rather than float16 because torch's CPU attention kernel is 2-4x faster in it).
 WEIGHT_MODES = {"fp32": "float32", "bf16": "bfloat16", "native": "float32"}
+KV_CACHE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "native": "bfloat16"}
 
 
 def weights_dtype(weights: str) -> str:
-    """The activation / KV pool dtype of a ``--weights`` mode. Raises ValueError for another mode."""
+    """The activation dtype of a ``--weights`` mode. Raises ValueError for another mode."""
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {sorted(WEIGHT_MODES)}, got {weights!r}")
     return WEIGHT_MODES[weights]
+
+
+def kv_cache_dtype(weights: str) -> str:
+    """The KV pool dtype of a ``--weights`` mode. Raises ValueError for another mode."""
+    weights_dtype(weights)
+    return KV_CACHE_DTYPES[weights]
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,17 @@ class SchedulerConfig:
 
     Fields:
         max_num_seqs: most sequences in the running decode batch.
-        max_num_batched_tokens: most prompt tokens computed in one prefill step; longer prompts
-            are prefilled in chunks of this size.
+        max_num_batched_tokens: most tokens computed in one step; longer prompts are prefilled
+            in chunks of this size.
+        max_prefill_tokens_while_decoding: while sequences decode, a step carries them plus at
+            most this many prompt tokens (chunked prefill, as vLLM's V1 scheduler and Sarathi-Serve
+            do), so a burst of prompts delays each decode step by one such chunk instead of
+            stalling decode until every prompt is computed.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_while_decoding: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -115,6 +129,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1, "
+                             f"got {self.max_prefill_tokens_while_decoding}")
 
 
 def compatibility_hash(model: ModelConfig, cache: CacheConfig, weights: str = "fp32") -> str:

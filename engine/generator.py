@@ -1,11 +1,12 @@
 """The single-process generator: prefill then decode with continuous batching.
 
 Lifecycle of a request: `Generator.add_request` validates it and queues it (WAITING). Each
-`Generator.step` runs ONE forward pass:
-- if sequences wait and blocks allow, a prefill pass over up to ``max_num_batched_tokens`` prompt
-  tokens (several prompts at once; a long prompt is split into chunks over several steps); a
-  sequence whose whole prompt is computed samples its first token and joins the running batch;
-- otherwise a decode pass: every running sequence adds one token.
+`Generator.step` runs ONE forward pass holding every running sequence (one new token each) and,
+if sequences wait and blocks allow, prompt tokens: up to ``max_num_batched_tokens`` when nothing
+decodes, else up to ``max_prefill_tokens_while_decoding`` (several prompts at once; a long prompt
+is split into chunks over several steps). A sequence whose whole prompt is computed samples its
+first token and joins the running batch. Decoding never waits for a burst of prompts: each step
+costs it at most one bounded chunk.
 Sequences join and leave the running batch between steps. A finished or aborted sequence frees its
 blocks at once. When the pool runs out during decode, the most recently admitted sequence is
 preempted (blocks freed, recomputed later from prompt + generated tokens).
@@ -180,16 +181,16 @@ class Generator:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one prefill or decode pass; returns the outputs of the requests it touched."""
-        chunks = self._schedule_prefill()
-        if chunks:
-            return self._run(chunks)
-        if not self.running:
-            return []
-        return self._run(self._schedule_decode())
+        """Run one pass (running sequences + prompt chunks); returns the outputs of the requests
+        it touched."""
+        decode = self._schedule_decode() if self.running else []
+        budget = self.config.max_num_batched_tokens - len(decode)
+        if decode:
+            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+        chunks = decode + self._schedule_prefill(budget)
+        return self._run(chunks) if chunks else []
 
-    def _schedule_prefill(self) -> list[tuple[Sequence, SeqChunk]]:
-        budget = self.config.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, SeqChunk]]:
         scheduled: list[tuple[Sequence, SeqChunk]] = []
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) + len(scheduled) >= self.config.max_num_seqs:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, weights_dtype
+from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, kv_cache_dtype, weights_dtype
 from engine.generator import Generator
 from engine.kv_cache import KVPool
 from engine.model import LlamaModel
@@ -30,8 +30,13 @@ class LoadedModel:
 
     @property
     def dtype(self) -> str:
-        """Activation and KV pool dtype name ("float32", "bfloat16")."""
+        """Activation dtype name ("float32", "bfloat16")."""
         return weights_dtype(self.weights)
+
+    @property
+    def kv_dtype(self) -> str:
+        """KV pool dtype name ("float32", "bfloat16"): what `CacheConfig.dtype` must be."""
+        return kv_cache_dtype(self.weights)
 
 
 def set_torch_threads(num_threads: int | None) -> None:
@@ -40,12 +45,16 @@ def set_torch_threads(num_threads: int | None) -> None:
     torch.set_num_threads(max(1, n))
 
 
-def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu") -> LoadedModel:
+def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu",
+               gemv_copies: bool = True) -> LoadedModel:
     """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
 
     Args:
         weights: "fp32", "bf16" or "native" (`engine.config.WEIGHT_MODES`).
         device: "cpu" or "cuda[:n]" (weights are moved there; matmuls use ``F.linear``).
+        gemv_copies: keep float32 projections' plain weights for one-row inputs too
+            (`engine.linear.Linear`): faster batch-1 decode, a second copy of them in memory;
+            a prefill worker, which rarely runs one-token inputs, passes False.
     Raises:
         ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
             with no 4-bit projections.
@@ -69,7 +78,8 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     config, loaded = load_weights(path, DTYPES[dtype], native=native)
     if dev.type != "cpu":
         loaded = _to_device(loaded, dev)
-    return LoadedModel(path, config, LlamaModel(config, loaded), Tokenizer.from_file(path), weights)
+    return LoadedModel(path, config, LlamaModel(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)],
+                                                 gemv_copies=gemv_copies), Tokenizer.from_file(path), weights)
 
 
 def _to_device(w, dev: torch.device):
@@ -86,6 +96,6 @@ def _to_device(w, dev: torch.device):
 def build_generator(loaded: LoadedModel, cache: CacheConfig | None = None,
                     scheduler: SchedulerConfig | None = None) -> Generator:
     """A `Generator` with a fresh KV pool."""
-    cache = cache or CacheConfig(dtype=loaded.dtype)
+    cache = cache or CacheConfig(dtype=loaded.kv_dtype)
     pool = KVPool(loaded.config, cache, device=loaded.model.device)
     return Generator(loaded.model, pool, loaded.tokenizer, scheduler or SchedulerConfig())

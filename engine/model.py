@@ -16,7 +16,7 @@ from engine.attention import ForwardBatch, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
 from engine.linear import Linear, resolve_backend
-from engine.quant import BF16Linear, Int4Linear, Int4Weight
+from engine.quant import HeadLinear, Int4Linear, Int4Weight
 from engine.weights import LlamaWeights
 
 LayerCallback = Callable[[int], None]
@@ -29,16 +29,24 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
-                 max_int4_rows: int = 4):
+                 max_int4_rows: int = 4, max_int8_head_rows: int = 4, kv_dtype: torch.dtype | None = None,
+                 gemv_copies: bool = True):
         """Args:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
                 many tokens per forward pass, their dequantized bfloat16 copy above it.
+            max_int8_head_rows: with 4-bit projections, the LM head runs int8 for at most this
+                many logits rows, a dense copy above it (`engine.quant.HeadLinear`).
+            gemv_copies: float32 projections keep their plain weights beside oneDNN's packed ones
+                for one-row inputs (`engine.linear.Linear`; more memory, faster batch-1 decode).
+            kv_dtype: dtype of the KV pool (default: the weights'); K/V are stored and attention
+                runs in it (`engine.config.KV_CACHE_DTYPES`), its output cast back.
         Raises:
             ValueError: unknown or unusable linear backend; 4-bit projections on a non-CPU device.
         """
         self.config = config
         self.dtype = weights.embed.dtype
+        self.kv_dtype = kv_dtype or self.dtype
         self._embed = weights.embed
         self._final_norm = weights.final_norm
         self._norms = [(layer.attn_norm, layer.ffn_norm) for layer in weights.layers]
@@ -48,9 +56,9 @@ class LlamaModel:
                              for p in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         if self.quantized and weights.embed.device.type != "cpu":
             raise ValueError("4-bit (native) weights run on the CPU only")
-        self._layers = [_LayerLinears(layer, backend, max_int4_rows) for layer in weights.layers]
-        # native: the LM head in bfloat16 (see BF16Linear); else in the model's dtype
-        self._lm_head = (BF16Linear if self.quantized else Linear)(weights.lm_head, backend)
+        self._layers = [_LayerLinears(layer, backend, max_int4_rows, gemv_copies) for layer in weights.layers]
+        self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows, backend) if self.quantized
+                         else Linear(weights.lm_head, backend, gemv_copies))
         self.device = weights.embed.device
         self._cos, self._sin = (t.to(self.device) for t in _rope_tables(config, self.dtype))
         c = config
@@ -68,17 +76,18 @@ class LlamaModel:
         Returns:
             ``[len(batch.logits_indices), vocab_size]`` float32 logits.
         Raises:
-            ValueError: the pool's dtype is not the model's.
+            ValueError: the pool's dtype is not the model's ``kv_dtype``.
         """
         c = self.config
-        if pool.kv.dtype != self.dtype:
-            raise ValueError(f"KV pool dtype {pool.kv.dtype} differs from the model's {self.dtype}")
+        if pool.kv.dtype != self.kv_dtype:
+            raise ValueError(f"KV pool dtype {pool.kv.dtype} differs from the model's {self.kv_dtype}")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         h = self._embed.index_select(0, batch.input_ids)
         cos = self._cos.index_select(0, batch.positions)[:, None, :]
         sin = self._sin.index_select(0, batch.positions)[:, None, :]
         t = h.shape[0]
+        kv_cast = self.kv_dtype != self.dtype
         for i, ((attn_norm, ffn_norm), lin) in enumerate(zip(self._norms, self._layers)):
             x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = lin.wqkv(x)
@@ -86,10 +95,14 @@ class LlamaModel:
             q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
             k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(t, c.num_kv_heads, c.head_dim)
+            if kv_cast:   # attention in the pool's dtype, on the K/V as stored
+                q, k, v = q.to(self.kv_dtype), k.to(self.kv_dtype), v.to(self.kv_dtype)
             k_pool, v_pool = pool.layer_view(i)
             k_pool.index_copy_(0, batch.slot_mapping, k)
             v_pool.index_copy_(0, batch.slot_mapping, v)
             attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size)
+            if kv_cast:
+                attn = attn.to(self.dtype)
             h = h + lin.wo(attn)
             x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
             gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
@@ -102,9 +115,10 @@ class LlamaModel:
 
 
 class _LayerLinears:
-    def __init__(self, layer, backend: str, max_int4_rows: int):
+    def __init__(self, layer, backend: str, max_int4_rows: int, gemv_copies: bool):
         def make(w):
-            return Int4Linear(w, max_int4_rows, backend) if isinstance(w, Int4Weight) else Linear(w, backend)
+            return (Int4Linear(w, max_int4_rows, backend) if isinstance(w, Int4Weight)
+                    else Linear(w, backend, gemv_copies))
 
         self.wqkv = make(layer.wqkv)
         self.wo = make(layer.wo)

@@ -180,22 +180,47 @@ class Int4Linear:
         return y.to(x.dtype)
 
 
-class BF16Linear:
-    """``y = x @ W.T`` with ``W`` held in bfloat16 and ``x`` cast to it (float32 both where the
-    CPU has no native bfloat16 matmul, `dense_dtype`); the output comes back in ``x``'s dtype.
-    Native mode's LM head: the file stores the (tied) embedding as Q8_0, whose values ``d * q``
-    bfloat16 rounds by at most ``|d q| 2^-9 <= 0.25 d``, below Q8_0's own step ``d``; half the
-    bytes of float32 per decode step.
+class HeadLinear:
+    """Native mode's LM head ``y = x @ W.T``: per-row int8 for few rows, a dense copy for many.
+
+    The file stores the (tied) embedding as Q8_0 (int8 codes, one float16 scale per 32 weights).
+    A decode step of few sequences reads the whole head (49152 x 576 for SmolLM2-135M), so its
+    bytes bound the step: inputs of at most ``max_int8_rows`` rows run torch's int8 weight-only
+    matmul (``aten._weight_int8pack_mm``, the kernel torchao's int8 weight-only CPU path calls),
+    1 byte per weight, on the weights requantized to int8 with one scale per row
+    (``scale ~ max|w| / 127`` in bfloat16, round to nearest: error <= scale / 2 per weight; the
+    kernel takes no per-group scales); more rows (prefill, large decode batches, where the int8 kernel is
+    slower than a blocked matmul) use a dense copy in `dense_dtype` (bfloat16 rounds Q8_0's values
+    ``d * q`` by at most ``|d q| 2^-9 <= 0.25 d``, below Q8_0's own step ``d``).
 
     Args:
         weight: ``[out_features, in_features]`` (any float dtype).
-        backend: "onednn" or "torch" (`engine.linear`).
+        max_int8_rows: inputs with at most this many rows use the int8 kernel; 0: never.
+        backend: "onednn" or "torch" for the dense copy (`engine.linear`).
+    Call with ``x``: ``[tokens, in_features]`` float32 or bfloat16; returns ``[tokens, out_features]``
+    in ``x``'s dtype.
     """
 
-    def __init__(self, weight: torch.Tensor, backend: str):
+    def __init__(self, weight: torch.Tensor, max_int8_rows: int, backend: str):
         self.out_features, self.in_features = weight.shape
+        self.max_int8_rows = max_int8_rows
+        w = weight.float()
+        # the kernel takes bfloat16 scales: round up (2^-8 > bfloat16's 2^-9 rounding) so max|w|
+        # still maps inside [-127, 127], and quantize with the rounded scale
+        scale = (w.abs().amax(dim=1) / 127.0 * (1 + 2**-8)).clamp_min(1e-30).bfloat16()
+        self._scale = scale
+        self._int8 = (torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+                      if max_int8_rows else None)
         self._dtype = dense_dtype()
-        self._lin = Linear(weight.to(self._dtype), backend)
+        self._dense = Linear(weight.to(self._dtype), backend)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._lin(x.to(self._dtype).contiguous()).to(x.dtype)
+        if x.shape[0] <= self.max_int8_rows:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self._int8, self._scale)
+        else:
+            y = self._dense(x.to(self._dtype).contiguous())
+        return y.to(x.dtype)
+
+    def dequantized_int8(self) -> torch.Tensor:
+        """``[out_features, in_features]`` float32: the weights the int8 path multiplies by."""
+        return self._int8.float() * self._scale.float()[:, None]

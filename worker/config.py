@@ -10,7 +10,7 @@ import socket
 import uuid
 from dataclasses import dataclass, fields
 
-from engine.config import weights_dtype
+from engine.config import kv_cache_dtype, weights_dtype
 from rpc.auth import DEV_SECRET, read_secret
 
 ROLES = ("prefill", "decode")
@@ -115,8 +115,13 @@ class WorkerConfig:
 
     @property
     def dtype(self) -> str:
-        """Activation and KV pool dtype of ``weights`` ("float32" or "bfloat16")."""
+        """Activation dtype of ``weights`` ("float32" or "bfloat16")."""
         return weights_dtype(self.weights)
+
+    @property
+    def kv_dtype(self) -> str:
+        """KV pool dtype of ``weights`` ("float32" or "bfloat16"; `engine.config.KV_CACHE_DTYPES`)."""
+        return kv_cache_dtype(self.weights)
 
     @property
     def listen_host(self) -> str:

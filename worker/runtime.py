@@ -63,8 +63,9 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         ModelLoadError, kvtransfer.EngineUnavailableError, ValueError.
     """
     set_torch_threads(config.threads)
-    loaded = loaded or load_model(config.model, config.weights, config.device)
-    cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks, dtype=config.dtype)
+    loaded = loaded or load_model(config.model, config.weights, config.device,
+                                 gemv_copies=config.role != "prefill")
+    cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks, dtype=config.kv_dtype)
     nbytes = KVPool.nbytes_for(loaded.config, cache)
     shared = None
     if config.device != "cpu":  # GPUDirect: the verbs engine registers device memory

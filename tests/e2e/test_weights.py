@@ -24,7 +24,7 @@ def native_engine():
     if not int4_kernel_available():
         pytest.skip("this torch build has no working CPU int4 kernel")
     loaded = load_model(weights="native")
-    return loaded, build_generator(loaded, CacheConfig(num_blocks=128, dtype=loaded.dtype))
+    return loaded, build_generator(loaded, CacheConfig(num_blocks=128, dtype=loaded.kv_dtype))
 
 
 def test_native_cluster_answers_like_the_native_engine(native_engine, tmp_path):

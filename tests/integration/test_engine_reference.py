@@ -107,7 +107,7 @@ def test_preemption_keeps_greedy_output(smollm, reference):
 
 
 def _all_logprobs(loaded, ids: list[int]) -> torch.Tensor:
-    pool = KVPool(loaded.config, CacheConfig(num_blocks=-(-len(ids) // 16), dtype=loaded.dtype))
+    pool = KVPool(loaded.config, CacheConfig(num_blocks=-(-len(ids) // 16), dtype=loaded.kv_dtype))
     batch = ForwardBatch.build([SeqChunk(ids, 0, pool.allocator.allocate(-(-len(ids) // 16)))], 16)
     batch.logits_indices = torch.arange(len(ids))
     return loaded.model.forward(batch, pool).float().log_softmax(-1)
@@ -143,7 +143,7 @@ def test_lower_precision_weights_match_the_dequantized_reference(smollm, referen
     kl = torch.cat(kls)
     assert kl.mean().item() <= 2e-3 and kl.max().item() <= 0.05, (kl.mean().item(), kl.max().item())
     assert agree / total >= 0.95, agree / total
-    gen = build_generator(native, CacheConfig(num_blocks=64, dtype=native.dtype))
+    gen = build_generator(native, CacheConfig(num_blocks=64, dtype=native.kv_dtype))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert gen.generate(prompts[:1], params)[0].token_ids == expected[0][:16]   # "... Paris." and on
     assert gen.num_free_blocks == 64

@@ -134,3 +134,46 @@ def test_add_prefilled_continues_exactly_like_a_local_prefill(gen, smollm):
     done = gen.add_prefilled("q", prompt, 2, blocks, SamplingParams(max_tokens=5, temperature=0))
     assert done is not None and done.finish_reason == FinishReason.STOP
     assert gen.num_free_blocks == 128
+
+
+def test_decoding_goes_on_while_a_long_prompt_prefills_in_chunks(smollm):
+    """Chunked prefill beside decode: running sequences get a token every step while a later
+    long prompt is computed 64 tokens per step (the decode rows batched apart from the chunk),
+    and every request gives the tokens it gives alone."""
+    def fresh():
+        pool = KVPool(smollm.config, CacheConfig(block_size=16, num_blocks=128))
+        return Generator(smollm.model, pool, smollm.tokenizer,
+                         SchedulerConfig(max_num_batched_tokens=256, max_prefill_tokens_while_decoding=64))
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = {"a": _chat(smollm, "What is the capital of France?"), "b": _chat(smollm, "Name a color."),
+               "long": _chat(smollm, "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 30)}
+    assert len(prompts["long"]) > 300
+
+    def alone(ids):
+        g = fresh()
+        g.add_request("x", ids, greedy)
+        outs = []
+        while g.has_unfinished():
+            outs += g.step()
+        return [t for o in outs for t in o.new_token_ids]
+
+    g = fresh()
+    g.add_request("a", prompts["a"], greedy)
+    g.add_request("b", prompts["b"], greedy)
+    tokens = {name: [] for name in prompts}
+    for o in g.step():   # their prefill: now they decode
+        tokens[o.request_id] += o.new_token_ids
+    g.add_request("long", prompts["long"], greedy)
+    steps_while_long_waits = 0
+    while g.has_unfinished():
+        long_waiting = any(s.request_id == "long" for s in g.waiting)
+        outs = g.step()
+        for o in outs:
+            tokens[o.request_id] += o.new_token_ids
+        if long_waiting:
+            steps_while_long_waits += 1
+            assert {o.request_id for o in outs} >= {"a", "b"}   # decode was not starved
+    assert steps_while_long_waits >= len(prompts["long"]) // 64 - 1   # the prompt went in 64-token chunks
+    assert g.num_free_blocks == 128
+    assert tokens == {name: alone(ids) for name, ids in prompts.items()}

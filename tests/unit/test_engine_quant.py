@@ -10,7 +10,7 @@ import torch
 
 from engine import config as engine_config
 from engine.config import CacheConfig, ModelConfig, compatibility_hash, weights_dtype
-from engine.quant import BF16Linear, Int4Linear, Int4Weight, QuantFormatError, int4_kernel_available
+from engine.quant import HeadLinear, Int4Linear, Int4Weight, QuantFormatError, int4_kernel_available
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -68,8 +68,28 @@ def test_int4_and_dense_paths_compute_the_same_product(rows, backend):
         y = Int4Linear(w, max_rows, backend)(x)
         assert y.dtype == torch.float32 and y.shape == (rows, 96)
         torch.testing.assert_close(y, ref, atol=2e-2, rtol=2e-2)
-    y = BF16Linear(w.dequantize(), backend)(x)
-    torch.testing.assert_close(y, ref, atol=2e-2, rtol=2e-2)
+
+
+
+@pytest.mark.parametrize("backend", ["torch", "onednn"])
+def test_lm_head_int8_and_dense_paths_agree_with_the_weights(backend):
+    from engine.linear import onednn_available
+
+    if backend == "onednn" and not onednn_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    data, shape = _quantized(T.Q8_0, n=200, k=128)
+    w = torch.from_numpy(gguf.quants.dequantize(data, T.Q8_0))
+    head = HeadLinear(w, max_int8_rows=4, backend=backend)
+    # the int8 copy: within half a step of one scale per row
+    step = head._scale.float()[:, None]
+    assert bool((step <= w.abs().amax(dim=1, keepdim=True) / 127 * 1.01).all())
+    assert bool(((head.dequantized_int8() - w).abs() <= step * 0.5 + 1e-7).all())
+    for rows in (1, 4, 5, 9):   # int8 kernel up to 4 rows, dense copy above
+        x = torch.randn(rows, 128)
+        y = head(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, 200)
+        ref = x.bfloat16().float() @ (head.dequantized_int8() if rows <= 4 else w).T
+        torch.testing.assert_close(y, ref, atol=3e-2, rtol=2e-2)
 
 
 def test_weights_modes_and_the_compatibility_hash():
@@ -84,3 +104,17 @@ def test_weights_modes_and_the_compatibility_hash():
     cache = CacheConfig()
     # same pool dtype, different K/V: a native prefill must not feed an fp32 decode worker
     assert compatibility_hash(cfg, cache, "native") != compatibility_hash(cfg, cache, "fp32")
+
+
+def test_one_row_inputs_take_the_plain_float32_copy_and_agree():
+    from engine.linear import Linear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    w = torch.randn(96, 64)
+    lin = Linear(w, "onednn", gemv_copy=True)
+    assert lin._plain is not None and lin._plain.data_ptr() == w.data_ptr()   # no copy made
+    assert Linear(w.bfloat16(), "onednn", gemv_copy=True)._plain is None      # float32 only
+    for rows in (1, 2, 7):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(lin(x), x @ w.T, atol=1e-4, rtol=1e-4)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingError, SamplingParams, sample
 
 pytestmark = pytest.mark.unit
 
@@ -56,3 +56,18 @@ def test_temperature_sampling_follows_the_distribution():
     draws = torch.tensor([sample(logits, [p], [gen])[0] for _ in range(3000)])
     freq = torch.bincount(draws, minlength=3).float() / 3000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_a_row_with_nan_or_inf_fails_alone_and_masked_tokens_are_fine():
+    logits = torch.randn(5, 50)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[4, :10] = float("-inf")   # masked tokens: still a valid row
+    expected = logits[4].argmax().item()
+    for temperature in (0.0, 0.7):
+        out = sample(logits, [SamplingParams(temperature=temperature, seed=1)] * 5, [None] * 5)
+        assert all(isinstance(out[r], SamplingError) for r in (1, 2, 3))
+        assert isinstance(out[0], int) and isinstance(out[4], int) and out[4] >= 10
+        if temperature == 0.0:
+            assert out[0] == logits[0].argmax().item() and out[4] == expected

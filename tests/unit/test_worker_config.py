@@ -40,7 +40,7 @@ def test_cli_flags_mirror_fields(monkeypatch):
     c = WorkerConfig.from_args("prefill", ap.parse_args(["--num-blocks", "64", "--transfer-engine", "tcp",
                                                          "--transfer-timeout-s", "5", "--weights", "native"]))
     assert (c.num_blocks, c.transfer_engine, c.transfer_timeout_s) == (64, "tcp", 5.0)
-    assert (c.weights, c.dtype) == ("native", "float32")
+    assert (c.weights, c.dtype, c.kv_dtype) == ("native", "float32", "bfloat16")
     assert c.secret == b"0123456789abcdef-from-env"
 
 
