@@ -133,10 +133,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Attention of the new tokens, after their K/V have been written into the pool.
 
     Args:
-        q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (the new tokens).
+        q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (the new tokens,
+            in the pool's dtype).
         k_pool, v_pool: one layer's pool, ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+            K/V of another dtype than ``q``'s (a bfloat16 pool, float32 attention) are cast to it
+            after the gather.
     Returns:
-        ``[T, num_heads * head_dim]``.
+        ``[T, num_heads * head_dim]`` in ``q``'s dtype.
     """
     if batch.is_decode:
         return _decode_attention(q, k_pool, v_pool, batch, block_size)
@@ -149,12 +152,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue   # done above
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         if ctx == n:
-            ks = k[first:first + n].transpose(0, 1).unsqueeze(0)
-            vs = v[first:first + n].transpose(0, 1).unsqueeze(0)
+            ks = k[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = v[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = _gather(k_pool, blocks, block_size, ctx).transpose(0, 1).unsqueeze(0)
-            vs = _gather(v_pool, blocks, block_size, ctx).transpose(0, 1).unsqueeze(0)
+            ks = _gather(k_pool, blocks, block_size, ctx).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = _gather(v_pool, blocks, block_size, ctx).to(q.dtype).transpose(0, 1).unsqueeze(0)
             rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
@@ -172,7 +175,7 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int) -
     flat = batch.block_tables.view(-1)   # index_select: ~20% faster than advanced indexing here
     ks = k_pool.view(-1, block_size, *k_pool.shape[1:]).index_select(0, flat).view(b, span, *k_pool.shape[1:])
     vs = v_pool.view(-1, block_size, *v_pool.shape[1:]).index_select(0, flat).view(b, span, *v_pool.shape[1:])
-    ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)
+    ks, vs = ks.to(q.dtype).transpose(1, 2), vs.to(q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=batch.attn_mask,
                                        enable_gqa=True)
     return o.reshape(b, -1)

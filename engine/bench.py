@@ -123,7 +123,7 @@ def kernel_path(loaded) -> str:
         head = model._lm_head.max_int8_rows
         return (f"int4 (<= {rows} rows), {model.linear_backend} {dense} above; lm_head int8 (<= {head} rows), "
                 f"{model.linear_backend} {dense} above; KV {loaded.kv_dtype}")
-    return f"{model.linear_backend} {loaded.dtype}, KV {loaded.kv_dtype}"
+    return f"{model._layers[0].wqkv.backend} {loaded.dtype}, KV {loaded.kv_dtype}"
 
 
 def main(argv=None) -> dict:

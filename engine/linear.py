@@ -8,7 +8,8 @@ Two backends:
 - ``torch``: plain ``F.linear``; the portable choice (CUDA tensors, builds without oneDNN).
 
 ``auto`` picks ``onednn`` for CPU weights when the ops exist and a self-check on random data agrees
-with ``F.linear`` within float tolerance, else ``torch``; the choice is logged.
+with ``F.linear`` within float tolerance, else ``torch``; the choice is logged. bfloat16 weights
+on a CPU without native bfloat16 matmuls (AVX2: oneDNN refuses to pack them) use ``torch``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def onednn_available() -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return bool(torch.allclose(y, F.linear(x, w), atol=1e-4, rtol=1e-4))
+
+
+def bf16_matmul_fast() -> bool:
+    """True when oneDNN has native bfloat16 matmuls on this CPU (AVX512-BF16 or AMX); without
+    them a bfloat16 matmul is emulated and slower than float32, so dense copies stay float32."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -66,8 +76,11 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, backend: str, gemv_copy: bool = False):
         self.out_features, self.in_features = weight.shape
-        self.backend = backend
         self._plain = None
+        if backend == "onednn" and weight.dtype == torch.bfloat16 and not bf16_matmul_fast():
+            # oneDNN refuses to pack bfloat16 without AVX512-BF16/AVX-NE-CONVERT (AVX2 CPUs)
+            backend = "torch"
+        self.backend = backend
         if backend == "onednn":
             self._w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
             if gemv_copy and weight.dtype == torch.float32:

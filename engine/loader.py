@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +79,22 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     config, loaded = load_weights(path, DTYPES[dtype], native=native)
     if dev.type != "cpu":
         loaded = _to_device(loaded, dev)
-    return LoadedModel(path, config, LlamaModel(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)],
-                                                 gemv_copies=gemv_copies), Tokenizer.from_file(path), weights)
+    model = LlamaModel(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)], gemv_copies=gemv_copies)
+    del loaded
+    release_freed_memory()
+    return LoadedModel(path, config, model, Tokenizer.from_file(path), weights)
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    Loading converts every tensor once (GGUF blocks -> float32 -> packed layouts); glibc keeps the
+    freed transients in its arenas, ~0.1 GB (native) to ~0.4 GB (fp32) of resident memory per
+    worker that nothing uses again (measured with VmRSS before and after)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _to_device(w, dev: torch.device):

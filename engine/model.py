@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.attention import ForwardBatch, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
-from engine.linear import Linear, resolve_backend
+from engine.linear import Linear, bf16_matmul_fast, resolve_backend
 from engine.quant import HeadLinear, Int4Linear, Int4Weight
 from engine.weights import LlamaWeights
 
@@ -39,14 +39,19 @@ class LlamaModel:
                 many logits rows, a dense copy above it (`engine.quant.HeadLinear`).
             gemv_copies: float32 projections keep their plain weights beside oneDNN's packed ones
                 for one-row inputs (`engine.linear.Linear`; more memory, faster batch-1 decode).
-            kv_dtype: dtype of the KV pool (default: the weights'); K/V are stored and attention
-                runs in it (`engine.config.KV_CACHE_DTYPES`), its output cast back.
+            kv_dtype: dtype of the KV pool (default: the weights'; `engine.config.KV_CACHE_DTYPES`).
+                K/V are stored in it; attention runs in it too where the CPU computes bfloat16
+                natively (`engine.linear.bf16_matmul_fast`), else in the activations' dtype on
+                the stored K/V cast up (torch's bfloat16 attention is ~3x slower than float32
+                without AVX512-BF16), its output cast back either way.
         Raises:
             ValueError: unknown or unusable linear backend; 4-bit projections on a non-CPU device.
         """
         self.config = config
         self.dtype = weights.embed.dtype
         self.kv_dtype = kv_dtype or self.dtype
+        self.attn_dtype = (self.kv_dtype if self.kv_dtype == self.dtype or self.device_native_bf16(weights)
+                           else self.dtype)
         self._embed = weights.embed
         self._final_norm = weights.final_norm
         self._norms = [(layer.attn_norm, layer.ffn_norm) for layer in weights.layers]
@@ -87,7 +92,7 @@ class LlamaModel:
         cos = self._cos.index_select(0, batch.positions)[:, None, :]
         sin = self._sin.index_select(0, batch.positions)[:, None, :]
         t = h.shape[0]
-        kv_cast = self.kv_dtype != self.dtype
+        kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         for i, ((attn_norm, ffn_norm), lin) in enumerate(zip(self._norms, self._layers)):
             x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = lin.wqkv(x)
@@ -95,13 +100,15 @@ class LlamaModel:
             q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
             k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(t, c.num_kv_heads, c.head_dim)
-            if kv_cast:   # attention in the pool's dtype, on the K/V as stored
-                q, k, v = q.to(self.kv_dtype), k.to(self.kv_dtype), v.to(self.kv_dtype)
+            if kv_cast:   # attention on the K/V as stored (paged_attention casts them to q's dtype)
+                k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+            if q_cast:
+                q = q.to(self.attn_dtype)
             k_pool, v_pool = pool.layer_view(i)
             k_pool.index_copy_(0, batch.slot_mapping, k)
             v_pool.index_copy_(0, batch.slot_mapping, v)
             attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size)
-            if kv_cast:
+            if q_cast:
                 attn = attn.to(self.dtype)
             h = h + lin.wo(attn)
             x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
@@ -112,6 +119,12 @@ class LlamaModel:
         h = _rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
                        self._final_norm, c.rms_norm_eps)
         return self._lm_head(h).float()
+
+
+    @staticmethod
+    def device_native_bf16(weights) -> bool:
+        """True for a CUDA model, or a CPU whose oneDNN multiplies bfloat16 natively."""
+        return weights.embed.device.type != "cpu" or bf16_matmul_fast()
 
 
 class _LayerLinears:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.linear import Linear
+from engine.linear import Linear, bf16_matmul_fast
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +42,6 @@ NATIVE_TYPES = frozenset(_BLOCK)
 
 class QuantFormatError(ValueError):
     """A tensor's bytes do not have the shape its GGUF quantization type implies."""
-
-
-def bf16_matmul_fast() -> bool:
-    """True when oneDNN has native bfloat16 matmuls on this CPU (AVX512-BF16 or AMX); without
-    them a bfloat16 matmul is emulated and slower than float32, so dense copies stay float32."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def dense_dtype() -> torch.dtype:

@@ -118,3 +118,51 @@ def test_one_row_inputs_take_the_plain_float32_copy_and_agree():
     for rows in (1, 2, 7):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(lin(x), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_without_native_bfloat16_the_kernels_fall_back_instead_of_failing():
+    """On an AVX2 CPU oneDNN refuses to pack bfloat16 weights and bfloat16 attention is slow:
+    bfloat16 linears use F.linear and a bfloat16 pool is attended in float32. Emulated here by
+    capping oneDNN and ATen at AVX2 in a child process (a no-op on a real AVX2 machine)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from engine.linear import Linear, bf16_matmul_fast
+assert not bf16_matmul_fast()
+w = torch.randn(64, 32).bfloat16()
+lin = Linear(w, "onednn")
+assert lin.backend == "torch", lin.backend
+x = torch.randn(3, 32).bfloat16()
+torch.testing.assert_close(lin(x), x @ w.T)
+print("ok")
+"""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_native_weights_without_native_bfloat16_attend_in_float32_and_answer():
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from engine.loader import build_generator, load_model
+from engine.sampling import SamplingParams
+torch.set_num_threads(1)
+m = load_model(weights="native")
+assert (m.model.kv_dtype, m.model.attn_dtype) == (torch.bfloat16, torch.float32)
+tk = m.tokenizer
+ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+gen = build_generator(m)
+[out] = gen.generate([ids], SamplingParams(max_tokens=12, temperature=0))
+assert "Paris" in out.text and gen.num_free_blocks == gen.pool.allocator.num_blocks, out.text
+print("ok")
+"""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
