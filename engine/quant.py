@@ -34,10 +34,11 @@ from engine.linear import Linear, bf16_matmul_fast
 
 log = logging.getLogger(__name__)
 
-GROUP_SIZE = 32   # QK4_0 == QK4_1 == 32 in ggml
+GROUP_SIZE = 32   # QK4_0 == QK4_1 == 32 in ggml; a Q4_K sub-block is 32 weights too
 # GGUF type name -> (bytes per 32-weight block, has a minimum)
 _BLOCK = {"Q4_0": (18, False), "Q4_1": (20, True)}
-NATIVE_TYPES = frozenset(_BLOCK)
+QK_K, Q4_K_BYTES = 256, 144   # ggml-common.h: block_q4_K holds 256 weights in 144 bytes
+NATIVE_TYPES = frozenset([*_BLOCK, "Q4_K"])
 
 
 class QuantFormatError(ValueError):
@@ -114,8 +115,10 @@ class Int4Weight:
         Raises:
             QuantFormatError: another type, or bytes that do not match the shape.
         """
+        if type_name == "Q4_K":
+            return Int4Weight._from_q4_k(data, shape)
         if type_name not in _BLOCK:
-            raise QuantFormatError(f"{type_name} is not a native 4-bit type ({sorted(_BLOCK)})")
+            raise QuantFormatError(f"{type_name} is not a native 4-bit type ({sorted(NATIVE_TYPES)})")
         block_bytes, has_min = _BLOCK[type_name]
         n, k = shape
         if k % GROUP_SIZE:
@@ -135,6 +138,37 @@ class Int4Weight:
             qs = blocks[..., 2:]
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
         return Int4Weight(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)))
+
+    @staticmethod
+    def _from_q4_k(data: np.ndarray, shape: tuple[int, int]) -> "Int4Weight":
+        """Q4_K (llama.cpp ``block_q4_K``, ``dequantize_row_q4_K``): a super-block of 256 weights
+        is ``d``, ``dmin`` (float16), 12 bytes of eight 6-bit sub-block scales ``sc`` and mins
+        ``m`` (``get_scale_min_k4``), and 128 bytes of 4-bit codes: for each 64 weights, 32 bytes
+        whose low nibbles are the first 32 and high nibbles the next 32. Weight
+        ``w = (d sc) q - (dmin m)`` per 32-weight sub-block: exactly a group-32 ``(scale,
+        minimum)`` pair, so it maps onto the int4 kernel as Q4_1 does."""
+        n, k = shape
+        if k % QK_K:
+            raise QuantFormatError(f"Q4_K needs in_features a multiple of {QK_K}, got {k}")
+        supers = k // QK_K
+        raw = np.ascontiguousarray(data, dtype=np.uint8)
+        if raw.size != n * supers * Q4_K_BYTES:
+            raise QuantFormatError(f"Q4_K tensor of shape {shape} needs {n * supers * Q4_K_BYTES} bytes, got {raw.size}")
+        blocks = raw.reshape(n, supers, Q4_K_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)       # [n, supers]
+        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        s = blocks[..., 4:16].astype(np.uint8)                                          # [n, supers, 12]
+        sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+        mn = np.empty_like(sc)
+        sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+        sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+        mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+        qs = blocks[..., 16:].reshape(n, supers, 4, 32)                                 # 4 chunks of 64 weights
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)                     # low 32, then high 32
+        scale = (d[..., None] * sc).reshape(n, supers * 8).astype(np.float32)
+        minimum = (-(dmin[..., None] * mn)).reshape(n, supers * 8).astype(np.float32)
+        return Int4Weight(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale),
+                          torch.from_numpy(minimum))
 
 
 class Int4Linear:

@@ -67,7 +67,7 @@ def load_weights(path: str | Path, dtype: torch.dtype = torch.float32,
     path = Path(path)
     if path.is_dir():
         if native:
-            raise ModelLoadError(f"{path}: native weights need a GGUF file with Q4_0/Q4_1 tensors; "
+            raise ModelLoadError(f"{path}: native weights need a GGUF file with Q4_0/Q4_1/Q4_K tensors; "
                                  "this is a Hugging Face directory (use fp32 or bf16)")
         return _load_hf_dir(path, dtype)
     if path.suffix == ".gguf" or path.is_file():
@@ -138,7 +138,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[Mo
         except Exception as exc:
             raise ModelLoadError(f"{path}: cannot load {tensor.name} ({kind}): {exc}") from exc
     if native and not any(isinstance(v, Int4Weight) for v in raw.values()):
-        raise ModelLoadError(f"{path}: native weights need Q4_0/Q4_1 projections; this file has none "
+        raise ModelLoadError(f"{path}: native weights need Q4_0/Q4_1/Q4_K projections; this file has none "
                              "(use fp32 or bf16)")
 
     def take(name: str, permute_heads: int | None = None) -> np.ndarray | Int4Weight:
@@ -180,8 +180,9 @@ def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _projection(parts: list, dtype: torch.dtype) -> Projection:
-    """Row-stack projections: 4-bit when every part is, else dense (a mixed layer dequantizes)."""
-    if all(isinstance(p, Int4Weight) for p in parts):
+    """Row-stack projections: 4-bit when every part is (and the rows pack into the int4 kernel's
+    tiles of 16), else dense (a mixed layer dequantizes)."""
+    if all(isinstance(p, Int4Weight) for p in parts) and sum(p.shape[0] for p in parts) % 16 == 0:
         return parts[0] if len(parts) == 1 else Int4Weight.cat(parts)
     dense = [p.dequantize().numpy() if isinstance(p, Int4Weight) else p for p in parts]
     return _tensor(np.concatenate(dense, axis=0), dtype)

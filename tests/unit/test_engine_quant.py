@@ -166,3 +166,22 @@ print("ok")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_q4_k_blocks_decode_to_the_reference_values():
+    rng = np.random.default_rng(3)
+    n, k = 16, 512   # the int4 kernel packs rows in 16s
+    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    for col, scale in ((0, 0.01), (2, 0.02)):   # finite float16 d and dmin
+        blocks[..., col:col + 2] = np.full(blocks.shape[:2], scale, np.float16)[..., None].view(np.uint8)
+    data = blocks.reshape(n, -1)
+    w = Int4Weight.from_gguf(data, "Q4_K", (n, k))
+    assert w.scale.shape == (n, k // 32) and int(w.codes.max()) <= 15
+    ref = gguf.quants.dequantize(data, T.Q4_K)
+    np.testing.assert_allclose(w.dequantize().numpy(), ref, rtol=1e-6, atol=1e-7)
+    with pytest.raises(QuantFormatError, match="multiple of 256"):
+        Int4Weight.from_gguf(data[:, :144], "Q4_K", (n, 256 - 32))
+    x = torch.randn(2, k)
+    y = Int4Linear(w, max_int4_rows=8, dense_backend="torch")(x)     # through the int4 kernel
+    want = x.bfloat16().float() @ torch.from_numpy(ref).T
+    assert float((y - want).norm() / want.norm()) < 1e-2   # bfloat16 scales, zeros and inputs
