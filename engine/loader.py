@@ -60,13 +60,20 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
         ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
             with no 4-bit projections.
         ValueError: unknown weights mode; native weights on CUDA or without the int4 kernel in
-            this torch build; a CUDA device on a machine without one.
+            this torch build; bf16 weights on a CPU without native bfloat16 matmuls (emulated,
+            ~5x slower than fp32); a CUDA device on a machine without one.
     """
     dtype = weights_dtype(weights)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but torch sees no CUDA device")
     native = weights == "native"
+    if weights == "bf16" and dev.type == "cpu":
+        from engine.linear import bf16_matmul_fast
+
+        if not bf16_matmul_fast():
+            raise ValueError("--weights bf16 needs a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX); "
+                             "this one would emulate it, ~5x slower than fp32: use --weights fp32 or native")
     if native:
         from engine.quant import int4_kernel_available
 

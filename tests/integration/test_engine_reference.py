@@ -127,6 +127,11 @@ def test_lower_precision_weights_match_the_dequantized_reference(smollm, referen
     from engine.loader import build_generator, load_model
     from engine.quant import int4_kernel_available
 
+    if weights == "bf16":
+        from engine.linear import bf16_matmul_fast
+
+        if not bf16_matmul_fast():
+            pytest.skip("bf16 weights need native bfloat16 matmuls (AVX512-BF16/AMX); refused on this CPU")
     if weights == "native" and not int4_kernel_available():
         pytest.skip(f"torch {torch.__version__} has no working CPU int4 kernel")
     native = load_model(weights=weights)
