@@ -18,7 +18,7 @@ from engine.sequence import FinishReason
 from kvtransfer import EndpointInfo
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
-from worker.convert import sampling_from_proto
+from worker.convert import logprobs_to_proto, sampling_from_proto
 from worker.liveness import check
 from worker.runtime import WorkerResources
 from worker.sink import AsyncSink
@@ -154,15 +154,20 @@ class DecodeService(pb_grpc.DecodeServicer):
 def _chunk(outputs: list) -> tuple[pb.TokenChunk | None, bool]:
     """(chunk, finished) from a run of sink items; raises the error that ends a run."""
     tokens: list[int] = []
+    logprobs: list[pb.TokenLogprobs] = []
+    prompt_logprobs: list[pb.TokenLogprobs] = []
     reason = ""
     for item in outputs:
         if isinstance(item, Exception):
             raise item
         out: StepOutput = item
         tokens += out.new_token_ids
+        logprobs += [logprobs_to_proto(lp) for lp in out.logprobs]
+        prompt_logprobs += [logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()]
         if out.finish_reason == FinishReason.ERROR:
             log.warning("sequence %s failed alone in its batch", out.request_id)
         if out.finish_reason is not None:
             reason = out.finish_reason.value
-    return pb.TokenChunk(token_ids=tokens, finish_reason=reason), bool(reason)
+    return pb.TokenChunk(token_ids=tokens, finish_reason=reason, logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs), bool(reason)
 

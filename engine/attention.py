@@ -34,13 +34,16 @@ class SeqChunk:
         token_ids: the new tokens (length ``num_tokens`` >= 1).
         start: position of the first new token (= tokens already in the pool).
         block_table: blocks covering at least ``start + num_tokens`` positions.
-        need_logits: compute logits for the last new token.
+        need_logits: compute logits for the last new token (to sample the next one).
+        prompt_logits: compute logits for every new token (prompt logprobs); the last one is
+            still the sampling row when ``need_logits``.
     """
 
     token_ids: Sequence[int]
     start: int
     block_table: Sequence[BlockId]
     need_logits: bool = True
+    prompt_logits: bool = False
 
 
 @dataclass
@@ -58,6 +61,9 @@ class ForwardBatch:
         attn_mask: ``[D, 1, 1, max_blocks * block_size]`` bool, True = attend.
         decode_rows: mixed passes only: ``[D]`` int64, the rows of the one-token sequences
             (None when there are none, or when every sequence is one: then all rows, in order).
+        sample_rows: ``[S]`` int64, the logits rows of the ``need_logits`` chunks, in chunk order;
+            None when those are all the rows (no chunk asked for ``prompt_logits``).
+        logits_spans: per chunk, ``(first logits row, rows)``.
     """
 
     input_ids: torch.Tensor
@@ -69,6 +75,12 @@ class ForwardBatch:
     block_tables: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
     decode_rows: torch.Tensor | None = None
+    sample_rows: torch.Tensor | None = None
+    logits_spans: list[tuple[int, int]] | None = None
+
+    def sampling_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The ``[S, vocab]`` rows of ``logits`` (the model's output) to sample from."""
+        return logits if self.sample_rows is None else logits.index_select(0, self.sample_rows.to(logits.device))
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], block_size: int) -> "ForwardBatch":
@@ -76,6 +88,8 @@ class ForwardBatch:
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        sample_rows: list[int] = []
+        spans: list[tuple[int, int]] = []
         ranges = []
         for chunk in chunks:
             n = len(chunk.token_ids)
@@ -87,8 +101,14 @@ class ForwardBatch:
             positions.extend(range(chunk.start, end))
             table = chunk.block_table
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end))
-            if chunk.need_logits:
+            span_start = len(logits_rows)
+            if chunk.prompt_logits:
+                logits_rows.extend(range(first, len(ids)))
+            elif chunk.need_logits:
                 logits_rows.append(len(ids) - 1)
+            if chunk.need_logits:
+                sample_rows.append(len(logits_rows) - 1)
+            spans.append((span_start, len(logits_rows) - span_start))
             nblocks = -(-end // block_size)
             ranges.append((first, n, end, torch.tensor(list(table[:nblocks]), dtype=torch.long)))
         batch = cls(
@@ -98,7 +118,10 @@ class ForwardBatch:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long),
             is_decode=all(len(c.token_ids) == 1 for c in chunks),
             seq_ranges=ranges,
+            logits_spans=spans,
         )
+        if len(sample_rows) != len(logits_rows):
+            batch.sample_rows = torch.tensor(sample_rows, dtype=torch.long)
         singles = [i for i, r in enumerate(ranges) if r[1] == 1]
         if len(singles) == len(ranges):
             batch._build_decode_tables(block_size, ranges)
@@ -113,7 +136,8 @@ class ForwardBatch:
         return ForwardBatch(move(self.input_ids), move(self.positions), move(self.slot_mapping),
                             move(self.logits_indices), self.is_decode,
                             [(a, b, c, move(d)) for a, b, c, d in self.seq_ranges],
-                            move(self.block_tables), move(self.attn_mask), move(self.decode_rows))
+                            move(self.block_tables), move(self.attn_mask), move(self.decode_rows),
+                            move(self.sample_rows), self.logits_spans)
 
     def _build_decode_tables(self, block_size: int, ranges) -> None:
         max_blocks = max(r[3].numel() for r in ranges)

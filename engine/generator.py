@@ -18,7 +18,7 @@ one thread drives it.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
 
 from engine.attention import ForwardBatch, SeqChunk
@@ -27,7 +27,8 @@ from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from engine.ids import BlockId, RequestId
 from engine.kv_cache import KVPool, blocks_needed
 from engine.model import LlamaModel
-from engine.sampling import SamplingError, SamplingParams, sample
+from engine.sampling import (SamplingError, SamplingParams, TokenLogprobs, compute_logprobs, prompt_logprobs_of,
+                             sample)
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
 
@@ -39,6 +40,9 @@ class StepOutput:
         new_token_ids: tokens generated this step (0 or 1).
         text_delta: new text safe to show (stop strings held back), when a tokenizer is set.
         finish_reason: set when the request finished this step.
+        logprobs: one `TokenLogprobs` per new token when the request asked for logprobs.
+        prompt_logprobs: with the first token, when asked for: one per prompt token after the
+            first.
     """
 
     request_id: RequestId
@@ -47,6 +51,8 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -80,6 +86,13 @@ def validate_request(prompt_token_ids: Seq[int], params: SamplingParams, max_pos
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"token ids out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
+    bad = [t for t in params.token_ids_in_use() if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids / logit_bias name ids outside the vocabulary "
+                                  f"[0, {vocab_size}): {bad[:5]}")
+    if params.num_resumed >= len(prompt_token_ids):
+        raise InvalidRequestError(f"num_resumed ({params.num_resumed}) must be below the prompt's "
+                                  f"{len(prompt_token_ids)} tokens")
 
 
 class Generator:
@@ -161,7 +174,7 @@ class Generator:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
         seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator())
         if self.tokenizer is not None:
-            seq.detokenizer = self.tokenizer.detokenizer(params.stop)
+            seq.detokenizer = self.tokenizer.detokenizer(params.stop, params.min_tokens - params.num_resumed)
         return seq
 
     def abort(self, request_id: str) -> StepOutput | None:
@@ -201,8 +214,11 @@ class Generator:
             if not self._grow(seq, end + (1 if end == len(tokens) else 0)):
                 break
             done = end == len(tokens)
+            want_prompt = seq.params.prompt_logprobs is not None and not seq.output_token_ids
+            if want_prompt and seq.num_computed == 0:
+                seq.prompt_logprobs = []
             scheduled.append((seq, SeqChunk(tokens[seq.num_computed:end], seq.num_computed,
-                                            seq.block_table, need_logits=done)))
+                                            seq.block_table, need_logits=done, prompt_logits=want_prompt)))
             budget -= take
             if not done:
                 break  # a chunked prompt takes the rest of this step's budget
@@ -236,12 +252,18 @@ class Generator:
     def _run(self, scheduled: list[tuple[Sequence, SeqChunk]]) -> list[StepOutput]:
         batch = ForwardBatch.build([c for _, c in scheduled], self.pool.block_size)
         logits = self.model.forward(batch, self.pool)
+        for (seq, chunk), (first, rows) in zip(scheduled, batch.logits_spans):
+            if chunk.prompt_logits:
+                seq.prompt_logprobs += prompt_logprobs_of(logits[first:first + rows], seq.prompt_token_ids,
+                                                          chunk.start, seq.params.prompt_logprobs)
+        logits = batch.sampling_logits(logits)
         sampled_seqs = [s for s, c in scheduled if c.need_logits]
-        tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
+        tokens = sample(logits, sampled_seqs)
+        logprobs = compute_logprobs(logits, sampled_seqs, tokens)
         for seq, chunk in scheduled:
             seq.num_computed += len(chunk.token_ids)
         outputs = []
-        for seq, token in zip(sampled_seqs, tokens):
+        for seq, token, lp in zip(sampled_seqs, tokens, logprobs):
             if isinstance(token, SamplingError):   # this sequence fails alone
                 seq.finish(FinishReason.ERROR)
                 outputs.append(self._retire(seq, [], ""))
@@ -250,10 +272,16 @@ class Generator:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = SeqStatus.RUNNING
-            outputs.append(self._append(seq, token))
+            outputs.append(self._append(seq, token, lp))
         return outputs
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None = None) -> StepOutput:
+        out = self._append_token(seq, token, lp)
+        if seq.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+        return out
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> StepOutput:
         seq.output_token_ids.append(token)
         delta = ""
         if token in seq.stop_token_ids:
@@ -269,12 +297,13 @@ class Generator:
         if seq.status == SeqStatus.FINISHED:
             if seq.detokenizer is not None:
                 delta += seq.detokenizer.flush()
-            return self._retire(seq, [token], delta)
+            return self._retire(seq, [token], delta, lp)
         seq.text += delta
         return StepOutput(seq.request_id, [token], delta, None, len(seq.prompt_token_ids),
-                          len(seq.output_token_ids))
+                          len(seq.output_token_ids), [lp] if lp is not None else [])
 
-    def _retire(self, seq: Sequence, new_tokens: list[int], delta: str) -> StepOutput:
+    def _retire(self, seq: Sequence, new_tokens: list[int], delta: str,
+                lp: TokenLogprobs | None = None) -> StepOutput:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -284,7 +313,7 @@ class Generator:
         seq.text += delta
         del self._by_id[seq.request_id]
         return StepOutput(seq.request_id, new_tokens, delta, seq.finish_reason,
-                          len(seq.prompt_token_ids), len(seq.output_token_ids))
+                          len(seq.prompt_token_ids), len(seq.output_token_ids), [lp] if lp is not None else [])
 
     # -- convenience ----------------------------------------------------------------------
     def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],

@@ -52,6 +52,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object | None = None
     text: str = ""
+    prompt_logprobs: list | None = None   # `TokenLogprobs` gathered over the prompt's chunks
 
     @property
     def all_token_ids(self) -> list[int]:

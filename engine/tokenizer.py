@@ -21,6 +21,24 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "smaug-bpe", "gpt-2"}
 _CONTROL_TOKEN_TYPES = {3, 4}  # gguf TokenType.CONTROL, USER_DEFINED
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted (GPT-2's ``bytes_to_unicode``:
+    printable Latin-1 bytes map to themselves, the other 68 to U+0100 onwards in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+
+
 @dataclass
 class Tokenizer:
     """Text <-> token ids, the chat template and the stop ids the template implies.
@@ -74,6 +92,30 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    @functools.cached_property
+    def _token_bytes(self) -> list[bytes]:
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        table = [b""] * self.vocab_size
+        byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        for piece, i in vocab.items():
+            if 0 <= i < len(table):
+                if byte_level and piece not in added:
+                    table[i] = bytes(_UNICODE_TO_BYTE.get(ch, 0) for ch in piece)
+                else:
+                    table[i] = self.backend.decode([i], skip_special_tokens=False).encode("utf-8")
+        return table
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be part of a UTF-8
+        character); special tokens give their text. Raises `IndexError` outside the vocabulary."""
+        return self._token_bytes[token_id]
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs: its bytes decoded as UTF-8, an incomplete character
+        as U+FFFD (the raw bytes are in `token_bytes`)."""
+        return self._token_bytes[token_id].decode("utf-8", errors="replace")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -99,8 +141,8 @@ class Tokenizer:
         except Exception as exc:
             raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
 
-    def detokenizer(self, stop: Sequence[str] = ()) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, stop)
+    def detokenizer(self, stop: Sequence[str] = (), min_tokens: int = 0) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, stop, min_tokens)
 
     @classmethod
     def from_file(cls, path: str | Path | None = None) -> "Tokenizer":
@@ -205,9 +247,11 @@ class IncrementalDetokenizer:
     detokenizer: a prefix offset and a read offset). Incomplete UTF-8 sequences (the decoder
     yields U+FFFD) wait for the next token. Text that could still be the start of a stop string is
     held back until it cannot be, so a streamed client never sees characters that are later cut.
+    Stop strings are looked for only once ``min_tokens`` tokens were added, in the text from
+    then on (vLLM's ``min_tokens`` semantics).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
         self._tok = tokenizer
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -217,6 +261,8 @@ class IncrementalDetokenizer:
         self.text = ""          # all text decoded so far (truncated at a stop string)
         self._emitted = 0       # characters of ``text`` already returned
         self.stopped_by: str | None = None
+        self._min_tokens = min_tokens
+        self._search_from = 0   # text before it can no longer hold a stop string (min_tokens)
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the new text safe to show (possibly empty)."""
@@ -230,6 +276,9 @@ class IncrementalDetokenizer:
         search_from = max(0, len(self.text) - self._hold)
         self.text += window[len(known):]
         self._prefix, self._read = self._read, len(self._ids)
+        if len(self._ids) < self._min_tokens:
+            self._search_from = len(self.text)
+        search_from = max(search_from, self._search_from)
         for s in self._stop:
             at = self.text.find(s, search_from)
             if at >= 0:

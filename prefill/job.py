@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.ids import BlockId
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 from kvtransfer import KVLayout, PeerId, WriteHandle
 from worker.errors import PrefillAborted
 
@@ -53,13 +53,16 @@ class DecodePeer:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A finished job: the first token, the writes the decode side must count, bytes, seconds."""
+    """A finished job: the first token (and its logprobs when asked for), the writes the decode
+    side must count, bytes, seconds."""
 
     first_token: int
     num_writes: int
     bytes_written: int
     compute_seconds: float
     transfer_seconds: float
+    first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -80,6 +83,8 @@ class PrefillJob:
     src_blocks: list[BlockId] = field(default_factory=list)
     num_computed: int = 0
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_writes: int = 0
     bytes_posted: int = 0
     handles: list[WriteHandle] = field(default_factory=list)
@@ -113,7 +118,8 @@ class PrefillJob:
         if self.error is not None:
             raise self.error
         return PrefillResult(self.first_token, self.num_writes, self.bytes_posted,
-                             self.compute_seconds, self.transfer_seconds)
+                             self.compute_seconds, self.transfer_seconds, self.first_logprobs,
+                             self.prompt_logprobs)
 
     def add_done_callback(self, callback: Callable[["PrefillJob"], None]) -> None:
         """Call ``callback(job)`` once the job finished (at once if it has); from the thread

@@ -16,7 +16,7 @@ from kvtransfer import EndpointInfo
 from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
-from worker.convert import sampling_from_proto
+from worker.convert import logprobs_to_proto, sampling_from_proto
 from worker.errors import PrefillTimeout
 from worker.liveness import check
 from worker.runtime import WorkerResources
@@ -67,9 +67,13 @@ class PrefillService(pb_grpc.PrefillServicer):
             self.worker.abort(job.request_id)
             raise
         r = job.result()
-        return pb.PrefillResponse(first_token=r.first_token, num_writes=r.num_writes,
+        resp = pb.PrefillResponse(first_token=r.first_token, num_writes=r.num_writes,
                                   bytes_written=r.bytes_written, prefill_seconds=r.compute_seconds,
                                   transfer_seconds=r.transfer_seconds)
+        if r.first_logprobs is not None:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(r.first_logprobs))
+        resp.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in r.prompt_logprobs)
+        return resp
 
     @unary
     async def Abort(self, request, context):

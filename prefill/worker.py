@@ -42,7 +42,7 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
 from engine.kv_cache import blocks_needed
-from engine.sampling import SamplingError, SamplingParams, sample
+from engine.sampling import Row, SamplingError, SamplingParams, compute_logprobs, prompt_logprobs_of, sample
 from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, pack_immediate,
                         plan_writes, to_write_ops)
 from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
@@ -259,7 +259,8 @@ class PrefillWorker:
             end = job.num_computed + take
             last = end == len(job.token_ids)
             batch.append((job, SeqChunk(job.token_ids[job.num_computed:end], job.num_computed,
-                                        job.src_blocks, need_logits=last)))
+                                        job.src_blocks, need_logits=last,
+                                        prompt_logits=job.params.prompt_logprobs is not None)))
             budget -= take
             if not last:
                 break
@@ -319,17 +320,25 @@ class PrefillWorker:
         finishing = [job for job, chunk in batch if chunk.need_logits]
         on_layer = (lambda layer: self._post_layer(layer, finishing)) if finishing else None
         logits = self.res.loaded.model.forward(fb, self.res.pool, on_layer_done=on_layer)
-        tokens = sample(logits, [j.params for j in finishing], [j.params.make_generator() for j in finishing])
+        for (job, chunk), (first, count) in zip(batch, fb.logits_spans):
+            if chunk.prompt_logits:
+                job.prompt_logprobs += prompt_logprobs_of(logits[first:first + count], job.token_ids,
+                                                          chunk.start, job.params.prompt_logprobs)
+        logits = fb.sampling_logits(logits)
+        rows = [Row(j.params, j.params.make_generator(), j.token_ids,
+                    stop_token_ids=frozenset(j.params.stop_token_ids)) for j in finishing]
+        tokens = sample(logits, rows)
+        logprobs = compute_logprobs(logits, rows, tokens)
         elapsed = time.monotonic() - t0
         with self._lock:
             for job, chunk in batch:
                 job.num_computed += len(chunk.token_ids)
                 job.compute_seconds += elapsed
-            for job, token in zip(finishing, tokens):
+            for job, token, lp in zip(finishing, tokens, logprobs):
                 if isinstance(token, SamplingError):
                     job.fail(PrefillError(f"sampling the first token failed: {token}"))
                 else:
-                    job.first_token = token
+                    job.first_token, job.first_logprobs = token, lp
                 if not job.stopped:
                     job.num_writes = count_writes(self.res.layout, job.peer.layout, job.src_blocks,
                                                   job.dst_blocks, self.res.config.max_write_bytes)

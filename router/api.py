@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
-``data: {...}`` chunks ending with ``data: [DONE]``, or whole), ``GET /v1/models``,
+``data: {...}`` chunks ending with ``data: [DONE]``, or whole; logprobs in OpenAI's shapes),
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's; lm-evaluation-harness's
+remote tokenizer uses them), ``GET /v1/models`` (with ``max_model_len``),
 ``GET /health`` (200 when at least one prefill and one decode worker are connected, or in the
 colocated and auto serving modes one decode worker, else 503),
 ``GET /metrics`` (Prometheus), ``GET /admin/workers`` (members; ``?stats=1`` adds each worker's
@@ -39,10 +41,13 @@ from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.orchestrator import Delta, GenerationRequest, Orchestrator
 from router.policy import make_policy
-from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest, chat_messages,
+from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest,
+                             TokenizeRequest, chat_messages,
                              check_lengths, check_unicode, effective_temperature, prompt_of,
-                             requested_max_tokens, stop_strings, validate_sampling)
-from router.responses import Shape, error_body, router_error_body, sse
+                             prompt_logprobs_k, requested_logprobs, requested_max_tokens, stop_strings, token_id_fields,
+                             validate_sampling)
+from router.responses import (LogprobsBuilder, Shape, error_body, merge_logprobs, router_error_body, sse,
+                              vllm_prompt_logprobs)
 from router.serving import healthy
 
 log = logging.getLogger(__name__)
@@ -92,6 +97,43 @@ def create_app(state: RouterState) -> FastAPI:
     async def chat_completions(body: ChatRequest):
         return await _serve(state, body, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(state, body.model)
+        tk = state.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
+        if body.messages is not None:
+            messages = chat_messages(body.messages)
+            try:
+                text = await asyncio.to_thread(tk.apply_chat_template, messages, body.add_generation_prompt)
+            except InvalidRequestError as exc:
+                raise InvalidRequest(str(exc), param="messages") from exc
+        else:
+            text = body.prompt
+            check_unicode(text, "prompt")
+        ids = await _encode(tk, text)
+        if not body.add_special_tokens and tk.add_bos and ids[:1] == [tk.bos_token_id]:
+            ids = ids[1:]
+        return {"count": len(ids), "max_model_len": state.context_length, "tokens": ids,
+                "token_strs": [tk.token_text(t) for t in ids] if body.return_token_strs else None}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tk = state.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tk.eos_token,
+                "bos_token": tk.bos_token or None, "pad_token": None, "chat_template": tk.chat_template,
+                "model_max_length": state.context_length, "add_bos_token": tk.add_bos}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(state, body.model)
+        tk = state.tokenizer
+        bad = [t for t in body.tokens if not 0 <= t < tk.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids out of range [0, {tk.vocab_size}): {bad[:5]}", param="tokens")
+        return {"prompt": tk.decode(body.tokens)}
+
     @app.get("/v1/models")
     async def models():
         name = state.config.served_model_name
@@ -133,9 +175,21 @@ def _load_dict(load) -> dict:
 
 
 # -- serving a request ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Output:
+    """What a request's choice shows beyond text: ``logprobs`` of generated tokens; completions
+    ``echo`` (``echo_text``: the prompt first; ``echo_logprobs``: its tokens in the logprobs
+    object); vLLM's ``prompt_logprobs`` field."""
+
+    logprobs: bool = False
+    echo_text: str | None = None
+    echo_logprobs: bool = False
+    prompt_logprobs: bool = False
+
+
 async def _serve(state: RouterState, body, chat: bool):
     arrived = time.monotonic()
-    req, shape = await _prepare(state, body, chat)
+    req, shape, out = await _prepare(state, body, chat)
     m = state.metrics
     m.in_flight.inc()
     m.prompt_tokens.inc(len(req.prompt_token_ids))
@@ -150,20 +204,18 @@ async def _serve(state: RouterState, body, chat: bool):
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, shape, first, deltas, include_usage),
+        return StreamingResponse(_stream(state, shape, req, first, deltas, include_usage, out),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return await _collect(shape, first, deltas)
+        return await _collect(state, shape, req, first, deltas, out)
     finally:
         m.in_flight.dec()
 
 
-async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequest, Shape]:
+async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequest, Shape, Output]:
     cfg = state.config
-    if body.model is not None and body.model not in (cfg.served_model_name, state.model_root):
-        raise ModelNotFound(f"the model '{body.model}' does not exist; this server serves "
-                            f"'{cfg.served_model_name}'", param="model")
+    _check_model(state, body.model)
     validate_sampling(body)
     tk = state.tokenizer
     if chat:
@@ -189,14 +241,34 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
     max_tokens, param = requested_max_tokens(body)
     max_tokens = check_lengths(len(ids), max_tokens, param, state.context_length,
                                cfg.max_tokens_limit, None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+    if body.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({body.min_tokens}) must not exceed {param} ({max_tokens})",
+                             param="min_tokens")
+    stop_token_ids, logit_bias = token_id_fields(body, tk.vocab_size)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req = GenerationRequest(
         request_id=rid, prompt_token_ids=tuple(ids), max_tokens=max_tokens,
         temperature=effective_temperature(body),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k, seed=body.seed,
-        stop=stop_strings(body), ignore_eos=body.ignore_eos)
-    return req, Shape.new(chat, rid, cfg.served_model_name)
+        stop=stop_strings(body), ignore_eos=body.ignore_eos, stop_token_ids=stop_token_ids,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, logit_bias=logit_bias,
+        min_tokens=body.min_tokens, logprobs=requested_logprobs(body), prompt_logprobs=prompt_logprobs_k(body))
+    echo = not chat and body.echo
+    out = Output(logprobs=req.logprobs is not None,
+                 echo_text=(prompt if isinstance(prompt, str) else tk.decode(ids)) if echo else None,
+                 echo_logprobs=echo and req.logprobs is not None,
+                 prompt_logprobs=body.prompt_logprobs is not None)
+    return req, Shape.new(chat, rid, cfg.served_model_name), out
+
+
+def _check_model(state: RouterState, model: str | None) -> None:
+    """Raise `ModelNotFound` unless ``model`` is None or names the served model."""
+    cfg = state.config
+    if model is not None and model not in (cfg.served_model_name, state.model_root):
+        raise ModelNotFound(f"the model '{model}' does not exist; this server serves "
+                            f"'{cfg.served_model_name}'", param="model")
 
 
 def _check_fits(state: RouterState, min_tokens: int, param: str) -> None:
@@ -244,29 +316,50 @@ async def _timed(state: RouterState, deltas: AsyncIterator[Delta], arrived: floa
         m.requests.labels(endpoint, "abort").inc()
 
 
-async def _collect(shape: Shape, first: Delta, deltas: AsyncIterator[Delta]) -> dict:
-    parts = [first.text]
+def _prompt_part(state: RouterState, req: GenerationRequest, out: Output, first: Delta,
+                 builder: LogprobsBuilder | None) -> tuple[str, dict | None, dict]:
+    """(echoed text, echoed logprobs, extra choice fields) that go before the first token."""
+    echo_lp = (builder.build_prompt(req.prompt_token_ids, first.prompt_logprobs)
+               if out.echo_logprobs and builder is not None else None)
+    extra = ({"prompt_logprobs": vllm_prompt_logprobs(state.tokenizer, req.prompt_token_ids, first.prompt_logprobs)}
+             if out.prompt_logprobs else {})
+    return out.echo_text or "", echo_lp, extra
+
+
+async def _collect(state: RouterState, shape: Shape, req: GenerationRequest, first: Delta,
+                   deltas: AsyncIterator[Delta], out: Output) -> dict:
+    builder = LogprobsBuilder(state.tokenizer, shape.chat) if out.logprobs else None
+    echo_text, echo_lp, extra = _prompt_part(state, req, out, first, builder)
+    parts, tokens, lps = [echo_text, first.text], list(first.token_ids), list(first.logprobs)
     last = first
     async with aclosing(deltas) as it:
         async for d in it:
             parts.append(d.text)
+            tokens += d.token_ids
+            lps += d.logprobs
             last = d
-    return shape.full("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+    lp = merge_logprobs(echo_lp, builder.build(tokens, lps)) if builder is not None else None
+    return shape.full("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, lp, extra)
 
 
-async def _stream(state: RouterState, shape: Shape, first: Delta, deltas: AsyncIterator[Delta],
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _stream(state: RouterState, shape: Shape, req: GenerationRequest, first: Delta,
+                  deltas: AsyncIterator[Delta], include_usage: bool, out: Output) -> AsyncIterator[str]:
     last = first
+    builder = LogprobsBuilder(state.tokenizer, shape.chat) if out.logprobs else None
+    echo_text, echo_lp, extra = _prompt_part(state, req, out, first, builder)
     try:
         async with aclosing(deltas) as it:
             if shape.chat:
-                yield sse(shape.chunk("", None, include_usage, role=True))
+                yield sse(shape.chunk("", None, include_usage, role=True, extra=extra))
+            elif echo_text or extra:
+                yield sse(shape.chunk(echo_text, None, include_usage, logprobs=echo_lp, extra=extra))
             d = first
             while True:
                 last = d
-                if d.text or d.finish_reason is not None:
+                if d.text or d.finish_reason is not None or (builder and d.token_ids):
+                    lp = builder.build(d.token_ids, d.logprobs) if builder else None
                     yield sse(shape.chunk(d.text if (d.text or not shape.chat) else None,
-                                          d.finish_reason, include_usage))
+                                          d.finish_reason, include_usage, logprobs=lp))
                 if d.finish_reason is not None:
                     break
                 d = await it.__anext__()

@@ -1,8 +1,8 @@
 """Optional API key on the HTTP API (``Authorization: Bearer <key>``).
 
-When a key is configured, every ``/v1/*`` and ``/admin/*`` request must carry it; others get
-HTTP 401 with an OpenAI error body (code ``invalid_api_key``). ``/health`` and ``/metrics`` stay
-open for probes and scrapers.
+When a key is configured, every ``/v1/*``, ``/admin/*``, ``/tokenize``, ``/detokenize`` and
+``/tokenizer_info`` request must carry it; others get HTTP 401 with an OpenAI error body (code
+``invalid_api_key``). ``/health`` and ``/metrics`` stay open for probes and scrapers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hmac
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-PROTECTED_PREFIXES = ("/v1/", "/admin/")
+PROTECTED_PREFIXES = ("/v1/", "/admin/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def install_api_key(app: FastAPI, api_key: str | None) -> None:

@@ -61,8 +61,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated request. ``stop``: stop strings (handled here); ``max_tokens`` counts every
-    generated token including the first."""
+    """A validated request. ``stop``: stop strings (handled here); ``max_tokens`` and
+    ``min_tokens`` count every generated token including the first; ``logprobs``: top
+    logprobs per token (None: none). The rest means what `engine.sampling.SamplingParams` says."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -73,18 +74,30 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class Delta:
     """A piece of output: new token ids and the text safe to show. The last delta of a request
-    has ``finish_reason`` ("stop" | "length"); ``completion_tokens`` counts tokens so far."""
+    has ``finish_reason`` ("stop" | "length"); ``completion_tokens`` counts tokens so far;
+    ``logprobs``: one per token of ``token_ids`` when the request asked for logprobs;
+    ``prompt_logprobs`` (first delta only, when asked for): one per prompt token after the first."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple[pb.TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[pb.TokenLogprobs, ...] | None = None
 
 
 class _Retry(Exception):
@@ -101,10 +114,11 @@ class _Run:
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     failed_workers: set[str] = field(default_factory=set)  # tried last on the next attempt
+    prompt_sent: bool = False   # prompt logprobs went out with the first delta
 
     def add(self, token: int) -> str:
         self.generated.append(token)
-        if token in self.stop_ids:
+        if token in self.stop_ids and len(self.generated) > self.req.min_tokens:
             self.finish_reason = "stop"
             return self.detok.flush()
         text = self.detok.add(token)
@@ -116,9 +130,18 @@ class _Run:
             text += self.detok.flush()
         return text
 
-    def delta(self, text: str, tokens: list[int]) -> Delta:
+    def delta(self, text: str, tokens: list[int], logprobs: list[pb.TokenLogprobs] = (),
+              prompt_logprobs=None) -> Delta:
+        if self.req.logprobs is not None and len(logprobs) != len(tokens):
+            raise UpstreamError(f"a worker sent {len(logprobs)} logprobs for {len(tokens)} tokens")
+        prompt = None
+        if self.req.prompt_logprobs is not None and not self.prompt_sent:
+            if len(prompt_logprobs or ()) != len(self.req.prompt_token_ids) - 1:
+                raise UpstreamError(f"a worker sent {len(prompt_logprobs or ())} prompt logprobs for a "
+                                    f"{len(self.req.prompt_token_ids)}-token prompt")
+            prompt, self.prompt_sent = tuple(prompt_logprobs), True
         return Delta(text, tuple(tokens), self.finish_reason, len(self.req.prompt_token_ids),
-                     len(self.generated))
+                     len(self.generated), tuple(logprobs) if self.req.logprobs is not None else (), prompt)
 
 
 class _Holding:
@@ -174,8 +197,9 @@ class Orchestrator:
         (attempts used up, or the worker failed the sequence alone); after the first delta only
         `UpstreamError`. Closing the iterator early (client gone) releases everything the
         request holds."""
-        stop_ids = frozenset() if req.ignore_eos else frozenset(self.tokenizer.stop_token_ids)
-        run = _Run(req, self.tokenizer.detokenizer(req.stop), stop_ids)
+        stop_ids = frozenset(req.stop_token_ids) | (
+            frozenset() if req.ignore_eos else frozenset(self.tokenizer.stop_token_ids))
+        run = _Run(req, self.tokenizer.detokenizer(req.stop, req.min_tokens), stop_ids)
         path = self._path(len(req.prompt_token_ids))
         self.metrics.requests_by_path.labels(path.value).inc()
         for attempt in range(1, self.config.max_attempts + 1):
@@ -205,7 +229,7 @@ class Orchestrator:
                     lambda since: self._place(hold, len(prompt), remaining, run.failed_workers, since))
                 first = await self._prefill(hold, prompt, sampling)
                 text = run.add(first.first_token)
-                yield run.delta(text, [first.first_token])
+                yield run.delta(text, [first.first_token], [first.first_logprobs], first.prompt_logprobs)
                 if run.finish_reason is not None:
                     return   # the release below frees the reservation (the writer stopped)
                 stream = self._client(hold.decode).decode(rid, first.first_token, first.num_writes, sampling,
@@ -242,9 +266,16 @@ class Orchestrator:
         r = run.req
         msg = pb.SamplingParams(max_tokens=remaining, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=sorted(run.stop_ids),
-                                ignore_eos=r.ignore_eos)
+                                ignore_eos=r.ignore_eos, presence_penalty=r.presence_penalty,
+                                frequency_penalty=r.frequency_penalty,
+                                repetition_penalty=r.repetition_penalty, logit_bias=dict(r.logit_bias),
+                                min_tokens=r.min_tokens, num_resumed=len(run.generated))
         if r.seed is not None:
             msg.seed = r.seed
+        if r.logprobs is not None:
+            msg.logprobs = r.logprobs
+        if r.prompt_logprobs is not None and not run.prompt_sent:
+            msg.prompt_logprobs = r.prompt_logprobs
         return msg
 
     # -- placement (called by the admission queue) --------------------------------------------
@@ -336,10 +367,12 @@ class Orchestrator:
         try:
             while True:
                 chunk = await stream.read(self.config.decode_stall_s)
-                tokens, text = [], ""
-                for t in chunk.token_ids:
+                tokens, text, logprobs = [], "", []
+                for i, t in enumerate(chunk.token_ids):
                     if run.finish_reason is None:
                         tokens.append(t)
+                        if i < len(chunk.logprobs):
+                            logprobs.append(chunk.logprobs[i])
                         text += run.add(t)
                 if run.finish_reason is None and chunk.finish_reason == "abort":
                     raise _Retry(f"decode worker {hold.decode.worker_id} aborted the request")
@@ -351,7 +384,7 @@ class Orchestrator:
                     run.finish_reason = chunk.finish_reason
                     text += run.detok.flush()
                 if tokens or run.finish_reason is not None:
-                    yield run.delta(text, tokens)
+                    yield run.delta(text, tokens, logprobs, chunk.prompt_logprobs)
                 if run.finish_reason is not None:
                     if not chunk.finish_reason:  # a stop string: the worker keeps going otherwise
                         stream.cancel()

@@ -10,7 +10,7 @@ built in code.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,8 @@ from router.errors import ContextLengthExceeded, InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOP_K = 2**31 - 1                # the wire's int32; any k >= the vocabulary disables top-k
+MAX_LOGPROBS = 20                    # top logprobs per token (OpenAI's top_logprobs limit)
+LOGIT_BIAS_LIMIT = 100.0             # OpenAI: bias values in [-100, 100]
 GREEDY_BELOW = 1e-5                  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -44,7 +46,23 @@ class _SamplingFields(_Lenient):
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Fields that change the output and are not served yet: a 400 rather than a silent ignore.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -54,7 +72,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     best_of: int | None = Field(None, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -73,7 +91,28 @@ class ChatRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    echo: bool = False
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeRequest(_Lenient):
+    """``POST /tokenize`` (vLLM's): ``prompt`` text, or chat ``messages`` rendered with the
+    template (``add_generation_prompt``); exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:
@@ -92,13 +131,15 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
     return p
 
 
-def chat_messages(req: ChatRequest) -> list[dict]:
-    """Messages as ``[{"role", "content": str}]`` for the chat template. Raises `InvalidRequest`
-    (no messages, non-text parts, text that is not valid Unicode)."""
-    if not req.messages:
+def chat_messages(req: ChatRequest | list[ChatMessage]) -> list[dict]:
+    """Messages (of a request, or a list) as ``[{"role", "content": str}]`` for the chat
+    template. Raises `InvalidRequest` (no messages, non-text parts, text that is not valid
+    Unicode)."""
+    messages = req if isinstance(req, list) else req.messages
+    if not messages:
         raise InvalidRequest("'messages' is required and must not be empty", param="messages")
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -144,8 +185,15 @@ def validate_sampling(req: _SamplingFields) -> None:
         value = getattr(req, name)
         if value is not None and not -2.0 <= value <= 2.0:
             raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
-        if value is not None and value != 0.0:
-            raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 2.0:
+        raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {req.repetition_penalty}",
+                             param="repetition_penalty")
+    if req.min_tokens < 0:
+        raise InvalidRequest(f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
+                             param="prompt_logprobs")
+    _refuse_unserved(req)
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
@@ -156,14 +204,77 @@ def validate_sampling(req: _SamplingFields) -> None:
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
             raise InvalidRequest("only best_of=1 is supported", param="best_of")
-        if req.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
-        if req.logprobs:
-            raise InvalidRequest("logprobs are not supported", param="logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+                                 param="logprobs")
         if req.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
-    if isinstance(req, ChatRequest) and req.logprobs:
-        raise InvalidRequest("logprobs are not supported", param="logprobs")
+    if isinstance(req, ChatRequest) and req.echo:
+        raise InvalidRequest("echo is not supported on chat completions", param="echo")
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None:
+        if not req.logprobs:
+            raise InvalidRequest("logprobs must be true when top_logprobs is given", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                                 param="top_logprobs")
+
+
+_UNSERVED = ("tools", "tool_choice", "functions", "function_call", "guided_json", "guided_regex",
+             "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _refuse_unserved(req: _SamplingFields) -> None:
+    """A 400 for a field that would change the output and is not served yet."""
+    fmt = req.response_format
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise InvalidRequest("response_format other than {'type': 'text'} is not supported yet",
+                             param="response_format")
+    for name in _UNSERVED:
+        value = getattr(req, name)
+        if value is not None and not (name == "tool_choice" and value == "none"):
+            raise InvalidRequest(f"{name} is not supported yet", param=name)
+
+
+def prompt_logprobs_k(req: _SamplingFields) -> int | None:
+    """Top logprobs per prompt token the request needs (vLLM's ``prompt_logprobs``, or
+    ``echo`` with ``logprobs`` on completions); None: no prompt logprobs."""
+    ks = [req.prompt_logprobs]
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        ks.append(req.logprobs)
+    ks = [k for k in ks if k is not None]
+    return max(ks) if ks else None
+
+
+def requested_logprobs(req: _SamplingFields) -> int | None:
+    """How many top logprobs per token the request asks for; None: no logprobs at all."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def token_id_fields(req: _SamplingFields, vocab_size: int) -> tuple[tuple[int, ...], tuple[tuple[int, float], ...]]:
+    """``(stop_token_ids, logit_bias pairs)`` of the request, checked against the vocabulary.
+
+    Raises `InvalidRequest`: an id outside ``[0, vocab_size)``, a logit_bias key that is not an
+    integer, or a bias outside [-100, 100]."""
+    stops = tuple(req.stop_token_ids or ())
+    bad = [t for t in stops if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                             param="stop_token_ids")
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias token {token} outside the vocabulary [0, {vocab_size})",
+                                 param="logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        bias.append((token, float(value)))
+    return stops, tuple(sorted(bias))
 
 
 def effective_temperature(req: _SamplingFields) -> float:

@@ -56,22 +56,32 @@ def cluster(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(smollm):
-    """``reference(token_ids, max_tokens, stop=()) -> GenerationResult`` from the single-process
-    engine (greedy)."""
+def engine_run(smollm):
+    """``engine_run(token_ids, params) -> GenerationResult`` from the single-process engine
+    (``params``: an `engine.sampling.SamplingParams`), cached."""
     from engine.config import CacheConfig
     from engine.loader import build_generator
-    from engine.sampling import SamplingParams
 
     gen = build_generator(smollm, CacheConfig(num_blocks=256))
     cache: dict = {}
 
-    def run(token_ids, max_tokens, stop=()):
-        key = (tuple(token_ids), max_tokens, tuple(stop))
+    def run(token_ids, params):
+        key = (tuple(token_ids), params)
         if key not in cache:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=tuple(stop))
             cache[key] = gen.generate([list(token_ids)], params)[0]
         return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def reference(engine_run):
+    """``reference(token_ids, max_tokens, stop=()) -> GenerationResult`` from the single-process
+    engine (greedy)."""
+    from engine.sampling import SamplingParams
+
+    def run(token_ids, max_tokens, stop=()):
+        return engine_run(token_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=tuple(stop)))
 
     return run
 

@@ -3,7 +3,8 @@
     python -m tests.faults.stream_client --url http://10.77.0.1:8000 --requests FILE --out FILE
         [--interval 0.5] [--concurrency 8] [--api-key KEY]
 
-``--requests`` is a JSON list of ``{"id", "prompt" (token ids), "max_tokens"}``. Request i starts
+``--requests`` is a JSON list of ``{"id", "prompt" (token ids), "max_tokens"}``, optionally
+with ``"sampling"``: fields merged into the body (default greedy: temperature 0). Request i starts
 at ``i * interval`` seconds (at most ``concurrency`` at once). For each request the output JSON
 records the concatenated streamed text, the finish reason, the HTTP status and any error message.
 Bounded: every request has a 300 s timeout; the client exits when all are done.
@@ -39,7 +40,7 @@ async def one(client: httpx.AsyncClient, url: str, req: dict, headers: dict) -> 
 
 async def _one(client: httpx.AsyncClient, url: str, req: dict, headers: dict) -> dict:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": req["prompt"], "max_tokens": req["max_tokens"],
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, **req.get("sampling", {})}
     out = {"id": req["id"], "text": "", "finish_reason": None, "status": None, "error": None,
            "chunks": 0, "start": time.time()}
     try:

@@ -3,7 +3,9 @@
 Phases, in order, each with its own stream of streaming requests from the client namespace:
 kill -9 a decode worker mid-stream; kill -9 a prefill worker mid-transfer; add a decode worker;
 drain a prefill worker (SIGTERM: it finishes in-flight work and exits 0); restart the router.
-Every request must complete with the reference engine's greedy text, or fail with a clear error
+Every other request samples with a seed (the rest are greedy). Every request must complete with
+the reference engine's text for its parameters (a seeded request retried or migrated mid-stream
+resumes its draws where they were), or fail with a clear error
 (only where the router is down, by design). After all phases no KV block is missing from any
 live worker's pool. A per-fault table (sent, completed, retried, migrated, failed) is printed.
 """
@@ -24,6 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "E
              "List four fruits.", "What does a CPU do?", "Describe a cat in two sentences.",
              "Why is the sky blue?", "Give three tips for sleeping well."]
 MAX_TOKENS = 40
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}   # odd requests, seed 1000 + prompt index
 REPORT: dict[str, dict] = {}
 
 
@@ -38,12 +41,25 @@ def workload(smollm):
                for i, q in enumerate(QUESTIONS)]
     gen = build_generator(smollm, CacheConfig(num_blocks=512))
     refs = gen.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return prompts, [r.text for r in refs]
+    sampled = gen.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, seed=1000 + i, **SAMPLED)
+                                     for i in range(len(prompts))])
+    return prompts, [r.text for r in refs], [r.text for r in sampled]
 
 
 def _requests(workload, n: int, tag: str) -> list[dict]:
-    prompts, _ = workload
-    return [{"id": f"{tag}-{i}", "prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS} for i in range(n)]
+    prompts = workload[0]
+    out = []
+    for i in range(n):
+        req = {"id": f"{tag}-{i}", "prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS}
+        if i % 2:
+            req["sampling"] = {**SAMPLED, "seed": 1000 + i % len(prompts)}
+        out.append(req)
+    return out
+
+
+def _expected(workload, i: int) -> str:
+    _, greedy, sampled = workload
+    return (sampled if i % 2 else greedy)[i % len(greedy)]
 
 
 def _metric(probe: dict, prefix: str) -> float:
@@ -57,11 +73,10 @@ def _run_phase(cluster, workload, tag, fault, n=16, interval=0.35, allow_failure
     proc.wait(timeout=600)
     results = json.loads(out.read_text())
     after = cluster.probe() or before
-    _, texts = workload
     completed = failed = 0
     for i, r in enumerate(results):
         if r["error"] is None and r["status"] == 200:
-            assert r["text"] == texts[i % len(texts)], f"{tag}: request {r['id']} text differs from the reference"
+            assert r["text"] == _expected(workload, i), f"{tag}: request {r['id']} text differs from the reference"
             completed += 1
         else:
             failed += 1

@@ -167,3 +167,40 @@ def test_cuda_engine_matches_cpu_greedy(smollm, reference):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     results = gen.generate(prompts[:4], params)
     assert [r.token_ids for r in results] == expected[:4]
+
+
+def test_prompt_and_output_logprobs_match_transformers_across_chunks(smollm, hf_model, reference):
+    """Prompt logprobs gathered over a prompt split into 64-token chunks (beside another request
+    decoding) and the generated tokens' logprobs equal transformers' float32 log_softmax within
+    1e-4, with the same top-k and ranks."""
+    prompts, _ = reference
+    long_prompt, other = prompts[6], prompts[0]
+    assert len(long_prompt) > 150
+    gen = _generator(smollm, max_batched=64)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, prompt_logprobs=2)
+    gen.add_request("other", other, SamplingParams(max_tokens=12, temperature=0))
+    gen.step()
+    gen.add_request("long", long_prompt, params)
+    outs = []
+    while gen.has_unfinished():
+        outs += [o for o in gen.step() if o.request_id == "long"]
+    prompt_lps = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(prompt_lps) == 1 and outs[0].prompt_logprobs is prompt_lps[0]
+    tokens = [t for o in outs for t in o.new_token_ids]
+    output_lps = [lp for o in outs for lp in o.logprobs]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([long_prompt + tokens])).logits[0].float(), -1)
+    assert len(prompt_lps[0]) == len(long_prompt) - 1 and len(output_lps) == len(tokens) == 4
+    worst = 0.0
+    for position, lp in list(enumerate(prompt_lps[0], start=1)) + [
+            (len(long_prompt) + i, lp) for i, lp in enumerate(output_lps)]:
+        row = ref[position - 1]
+        token = (long_prompt + tokens)[position]
+        assert lp.token_id == token
+        worst = max(worst, abs(lp.logprob - row[token].item()))
+        assert lp.rank == int((row > row[token]).sum()) + 1 or abs(lp.logprob - row[token].item()) < 1e-4
+        k = len(lp.top)
+        assert k == (2 if position < len(long_prompt) else 3)
+        assert torch.allclose(torch.tensor([v for _, v in lp.top]), row.topk(k).values, atol=1e-4)
+    assert worst < 1e-4, worst
+    assert gen.num_free_blocks == gen.pool.num_blocks

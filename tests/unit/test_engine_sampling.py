@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingError, SamplingParams, sample
+from engine.sampling import Row, SamplingError, SamplingParams, compute_logprobs, draw_seed, process_logits, sample
 
 pytestmark = pytest.mark.unit
 
@@ -25,35 +25,65 @@ def test_invalid_params_raise(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def _rows(params, n=1, gen=None, prompt=(1, 2, 3), output=(), stops=frozenset()):
+    params = params if isinstance(params, list) else [params] * n
+    return [Row(p, gen if gen is not None else p.make_generator(), list(prompt), list(output), stops)
+            for p in params]
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(3, 50)
-    assert sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3) == logits.argmax(-1).tolist()
+    assert sample(logits, _rows(SamplingParams(temperature=0), 3)) == logits.argmax(-1).tolist()
 
 
 def test_seed_reproducible_and_top_k_one_is_greedy():
     logits = torch.randn(1, 1000)
     p = SamplingParams(temperature=1.0, seed=42)
-    a = [sample(logits, [p], [p.make_generator()])[0] for _ in range(3)]
+    a = [sample(logits, _rows(p))[0] for _ in range(3)]
     assert len(set(a)) == 1
     k1 = SamplingParams(temperature=1.5, top_k=1, seed=1)
-    assert sample(logits, [k1], [k1.make_generator()]) == logits.argmax(-1).tolist()
+    assert sample(logits, _rows(k1)) == logits.argmax(-1).tolist()
+
+
+def test_seeded_draws_depend_on_seed_and_output_index_only():
+    """Draw i of a seeded request is the same wherever it happens: a fresh generator at output
+    index i (the decode worker), one that already drew (the single process), or a resumed
+    attempt whose earlier output sits at the end of its prompt (num_resumed)."""
+    logits = torch.zeros(1, 1000)   # uniform: each draw is the generator's alone
+    p = SamplingParams(temperature=1.0, seed=1234)
+    gen = p.make_generator()
+    history: list[int] = []
+    for _ in range(6):   # the single process: one generator, the output growing
+        history.append(sample(logits, [Row(p, gen, [5, 6], list(history))])[0])
+    assert len(set(history)) > 1
+    for i in range(6):
+        fresh = sample(logits, [Row(p, p.make_generator(), [5, 6], history[:i])])[0]
+        resumed = SamplingParams(temperature=1.0, seed=1234, num_resumed=i)
+        moved = sample(logits, [Row(resumed, resumed.make_generator(), [5, 6, *history[:i]], [])])[0]
+        assert fresh == moved == history[i]
+    other = SamplingParams(temperature=1.0, seed=1235)
+    assert [sample(logits, [Row(other, None, [5, 6], history[:i])])[0] for i in range(6)] != history
+    assert draw_seed(0, 0) != draw_seed(0, 1) != draw_seed(1, 0) and 0 <= draw_seed(2**63 - 1, 10**9) < 2**63
 
 
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.tensor([[5.0, 4.0, -10.0, -10.0, -10.0]])
-    p = SamplingParams(temperature=1.0, top_p=0.5, seed=3)
-    gen = p.make_generator()
-    assert {sample(logits, [p], [gen])[0] for _ in range(50)} == {0}
-    p = SamplingParams(temperature=1.0, top_p=0.99, seed=3)
-    gen = p.make_generator()
-    assert {sample(logits, [p], [gen])[0] for _ in range(200)} == {0, 1}
+    p = SamplingParams(temperature=1.0, top_p=0.5)
+    gen = _seeded(3)
+    assert {sample(logits, _rows(p, gen=gen))[0] for _ in range(50)} == {0}
+    p = SamplingParams(temperature=1.0, top_p=0.99)
+    assert {sample(logits, _rows(p, gen=gen))[0] for _ in range(200)} == {0, 1}
 
 
 def test_temperature_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    p = SamplingParams(temperature=1.0, seed=7)
-    gen = p.make_generator()
-    draws = torch.tensor([sample(logits, [p], [gen])[0] for _ in range(3000)])
+    p = SamplingParams(temperature=1.0)
+    gen = _seeded(7)
+    draws = torch.tensor([sample(logits, _rows(p, gen=gen))[0] for _ in range(3000)])
     freq = torch.bincount(draws, minlength=3).float() / 3000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
@@ -66,8 +96,75 @@ def test_a_row_with_nan_or_inf_fails_alone_and_masked_tokens_are_fine():
     logits[4, :10] = float("-inf")   # masked tokens: still a valid row
     expected = logits[4].argmax().item()
     for temperature in (0.0, 0.7):
-        out = sample(logits, [SamplingParams(temperature=temperature, seed=1)] * 5, [None] * 5)
+        out = sample(logits, _rows(SamplingParams(temperature=temperature, seed=1), 5))
         assert all(isinstance(out[r], SamplingError) for r in (1, 2, 3))
         assert isinstance(out[0], int) and isinstance(out[4], int) and out[4] >= 10
         if temperature == 0.0:
             assert out[0] == logits[0].argmax().item() and out[4] == expected
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": ((5, 101.0),)}, "logit_bias"),
+    ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"num_resumed": -1}, "num_resumed"),
+])
+def test_invalid_processor_params_raise(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_penalties_match_transformers_and_openai_definitions():
+    """repetition_penalty equals Hugging Face's RepetitionPenaltyLogitsProcessor over prompt +
+    output; frequency/presence follow OpenAI's formula over the output alone (a resumed
+    request's output counted from the end of its prompt)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(64) * 3
+    prompt, output = [1, 2, 2, 9], [9, 9, 30, 2]
+    rep = SamplingParams(repetition_penalty=1.3)
+    want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[None].clone())[0]
+    assert torch.allclose(process_logits(logits, Row(rep, None, prompt, output)), want)
+    pen = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, num_resumed=2)
+    got = process_logits(logits, Row(pen, None, prompt + output[:2], output[2:]))
+    counts = torch.bincount(torch.tensor(output), minlength=64).float()
+    assert torch.allclose(got, logits - 0.25 * counts - 0.5 * (counts > 0))
+    assert got[1] == logits[1]   # in the prompt only: no OpenAI penalty
+
+
+def test_logit_bias_and_min_tokens_steer_greedy_choice_and_leave_batch_mates_alone():
+    logits = torch.randn(3, 50)
+    plain = SamplingParams(temperature=0)
+    biased = SamplingParams(temperature=0, logit_bias=((7, 100.0),))
+    stop = int(logits[2].argmax())
+    blocked = SamplingParams(temperature=0, min_tokens=2)
+    rows = [Row(plain, None, [1]), Row(biased, None, [1]), Row(blocked, None, [1], [4], frozenset({stop}))]
+    out = sample(logits, rows)
+    assert out[0] == int(logits[0].argmax()) and out[1] == 7
+    assert out[2] != stop and out[2] == int(logits[2].topk(2).indices[1])
+    rows[2] = Row(blocked, None, [1], [4, 4], frozenset({stop}))   # min_tokens reached
+    assert sample(logits, rows)[2] == stop
+    only_stop = torch.full((1, 50), float("-inf"))
+    only_stop[0, stop] = 0.0
+    assert isinstance(sample(only_stop, [Row(blocked, None, [1], [], frozenset({stop}))])[0], SamplingError)
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits_with_the_top_k():
+    logits = torch.randn(3, 40)
+    want = torch.log_softmax(logits, -1)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, logprobs=0, presence_penalty=1.0)]
+    rows = _rows(params, output=[5])
+    tokens = sample(logits, rows)
+    out = compute_logprobs(logits, rows, tokens)
+    assert out[1] is None
+    assert out[0].token_id == tokens[0] and abs(out[0].logprob - want[0, tokens[0]].item()) < 1e-6
+    top = want[0].topk(3)
+    assert [t for t, _ in out[0].top] == top.indices.tolist()
+    assert torch.allclose(torch.tensor([v for _, v in out[0].top]), top.values)
+    assert out[2].top == () and abs(out[2].logprob - want[2, tokens[2]].item()) < 1e-6
