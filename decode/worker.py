@@ -44,6 +44,7 @@ from typing import Protocol
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import Generator, StepOutput, validate_request
+from engine.grammar import Grammars
 from engine.ids import BlockId
 from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
@@ -168,9 +169,11 @@ class DecodeWorker:
         self.arrivals = arrivals
         self.counter = arrivals.counter
         arrivals.on_lost.append(self._writer_lost)
+        tok = res.loaded.tokenizer
         self.gen = Generator(res.loaded.model, res.pool, None,
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
-                                             max_num_batched_tokens=c.max_num_batched_tokens))
+                                             max_num_batched_tokens=c.max_num_batched_tokens),
+                             grammars=Grammars(tok, tok.stop_token_ids) if tok is not None else None)
         self._model = res.loaded.config
         self._lock = StepGate()   # the generator: the loop holds it per step, RPCs get in between
         self._state = threading.Condition()   # reservations, quarantine, draining, metrics
@@ -233,7 +236,8 @@ class DecodeWorker:
         Raises:
             UnknownRequestError: no reservation waiting for its Decode.
             InvalidRequestError: prompt not of the reserved length or outside the vocabulary,
-                ``first_token`` outside the vocabulary, ``num_writes`` out of range.
+                ``first_token`` outside the vocabulary, ``num_writes`` out of range, a grammar that
+                does not compile or rejects the first token.
         """
         vocab = self._model.vocab_size
         if not 0 <= first_token < vocab:
@@ -241,6 +245,12 @@ class DecodeWorker:
         if not 0 <= num_writes <= MAX_WRITES_PER_REQUEST:
             raise InvalidRequestError(f"num_writes {num_writes} out of range")
         validate_request(prompt_token_ids, params, self._model.max_position, vocab)
+        if params.grammar:   # compiles it now (cached), so joining the batch later cannot fail
+            if self.gen.grammars is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer")
+            resumed = prompt_token_ids[len(prompt_token_ids) - params.num_resumed:] if params.num_resumed else []
+            self.gen.grammars.matcher(params.grammar, [*resumed, first_token]
+                                      if first_token not in params.stop_token_ids else resumed)
         with self._state:
             r = self._reservations.get(request_id)
             if r is None or r.state != ResState.RESERVED:

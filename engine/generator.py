@@ -24,6 +24,7 @@ from typing import Iterable, Sequence as Seq
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
+from engine.grammar import Grammars
 from engine.ids import BlockId, RequestId
 from engine.kv_cache import KVPool, blocks_needed
 from engine.model import LlamaModel
@@ -103,10 +104,12 @@ class Generator:
         pool: the `KVPool` (its allocator is owned by this generator).
         tokenizer: optional `engine.tokenizer.Tokenizer`; with it, outputs carry text and stop
             strings are honoured, and the template's stop ids end generation.
+        grammars: the `engine.grammar.Grammars` for requests with a grammar (default: one for
+            ``tokenizer`` when given; without either, such requests are refused).
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, tokenizer=None,
-                 scheduler: SchedulerConfig = SchedulerConfig()):
+                 scheduler: SchedulerConfig = SchedulerConfig(), grammars: Grammars | None = None):
         self.model = model
         self.pool = pool
         self.tokenizer = tokenizer
@@ -115,6 +118,9 @@ class Generator:
         self.running: list[Sequence] = []
         self._by_id: dict[RequestId, Sequence] = {}
         self._stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer else frozenset()
+        if grammars is None and tokenizer is not None:
+            grammars = Grammars(tokenizer, tokenizer.stop_token_ids)
+        self.grammars = grammars
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -173,6 +179,11 @@ class Generator:
         validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
         seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator())
+        if params.grammar:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer")
+            resumed = prompt_token_ids[len(prompt_token_ids) - params.num_resumed:] if params.num_resumed else ()
+            seq.matcher = self.grammars.matcher(params.grammar, resumed)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.detokenizer(params.stop, params.min_tokens - params.num_resumed)
         return seq
@@ -284,6 +295,9 @@ class Generator:
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> StepOutput:
         seq.output_token_ids.append(token)
         delta = ""
+        if seq.matcher is not None and token not in seq.stop_token_ids and not seq.matcher.consume([token]):
+            seq.finish(FinishReason.ERROR)   # the grammar allowed it, so this is a bug; this sequence alone
+            return self._retire(seq, [], "")
         if token in seq.stop_token_ids:
             seq.finish(FinishReason.STOP)
         elif seq.detokenizer is not None:

@@ -53,6 +53,7 @@ class Sequence:
     detokenizer: object | None = None
     text: str = ""
     prompt_logprobs: list | None = None   # `TokenLogprobs` gathered over the prompt's chunks
+    matcher: object | None = None         # `engine.grammar.Matcher` when params.grammar is set
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -92,6 +92,11 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
     @functools.cached_property
     def _token_bytes(self) -> list[bytes]:
         vocab = self.backend.get_vocab(with_added_tokens=True)
@@ -119,8 +124,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (``[{"role": ..., "content": str}]``) with the model's template.
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": str}]``) with the model's template;
+        ``tools`` (OpenAI tool objects) go to the template as ``tools`` (Hugging Face's name).
 
         Raises:
             InvalidRequestError: no template, or the template rejects the messages.
@@ -135,7 +142,8 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         **({"tools": list(tools)} if tools else {}))
         except InvalidRequestError:
             raise
         except Exception as exc:

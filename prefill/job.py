@@ -85,6 +85,7 @@ class PrefillJob:
     first_token: int | None = None
     first_logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    matcher: object | None = None     # `engine.grammar.Matcher` when params.grammar is set
     num_writes: int = 0
     bytes_posted: int = 0
     handles: list[WriteHandle] = field(default_factory=list)

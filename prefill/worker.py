@@ -42,6 +42,7 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
 from engine.kv_cache import blocks_needed
+from engine.grammar import Grammars
 from engine.sampling import Row, SamplingError, SamplingParams, compute_logprobs, prompt_logprobs_of, sample
 from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, pack_immediate,
                         plan_writes, to_write_ops)
@@ -83,6 +84,8 @@ class PrefillWorker:
         self.metrics = {"prefills_completed": 0, "prefills_failed": 0, "prefills_aborted": 0,
                         "kv_bytes_sent": 0, "prompt_tokens": 0}
         self.watches = (LoopWatch("prefill-loop"), LoopWatch("prefill-sender", stall_s=float("inf")))
+        tok = res.loaded.tokenizer
+        self.grammars = Grammars(tok, tok.stop_token_ids) if tok is not None else None
         self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="prefill-sender", daemon=True)
         for watch, thread in zip(self.watches, (self._thread, self._sender)):
@@ -145,6 +148,11 @@ class PrefillWorker:
             lease = min(lease, write_deadline_s)
         job = PrefillJob(request_id, list(token_ids), params, peer, list(dst_blocks), slot, generation,
                          time.monotonic() + lease)
+        if params.grammar:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer")
+            resumed = token_ids[len(token_ids) - params.num_resumed:] if params.num_resumed else ()
+            job.matcher = self.grammars.matcher(params.grammar, resumed)
         with self._lock:
             if self._draining:
                 raise DrainingError("prefill worker is draining")
@@ -326,7 +334,7 @@ class PrefillWorker:
                                                           chunk.start, job.params.prompt_logprobs)
         logits = fb.sampling_logits(logits)
         rows = [Row(j.params, j.params.make_generator(), j.token_ids,
-                    stop_token_ids=frozenset(j.params.stop_token_ids)) for j in finishing]
+                    stop_token_ids=frozenset(j.params.stop_token_ids), matcher=j.matcher) for j in finishing]
         tokens = sample(logits, rows)
         logprobs = compute_logprobs(logits, rows, tokens)
         elapsed = time.monotonic() - t0

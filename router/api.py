@@ -49,6 +49,8 @@ from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, Complet
 from router.responses import (LogprobsBuilder, Shape, error_body, merge_logprobs, router_error_body, sse,
                               vllm_prompt_logprobs)
 from router.serving import healthy
+from router.structured import constrained, grammar_of
+from router.tools import parse_calls, plan_tools, render_messages
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +181,14 @@ def _load_dict(load) -> dict:
 class Output:
     """What a request's choice shows beyond text: ``logprobs`` of generated tokens; completions
     ``echo`` (``echo_text``: the prompt first; ``echo_logprobs``: its tokens in the logprobs
-    object); vLLM's ``prompt_logprobs`` field."""
+    object); vLLM's ``prompt_logprobs`` field; tool calls parsed out of the text (a streamed
+    answer with tools comes in one chunk at the end, once it is known to be calls or text)."""
 
     logprobs: bool = False
     echo_text: str | None = None
     echo_logprobs: bool = False
     prompt_logprobs: bool = False
+    tool_names: tuple[str, ...] | None = None   # tools in play: the output is parsed for calls
 
 
 async def _serve(state: RouterState, body, chat: bool):
@@ -218,11 +222,16 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
     _check_model(state, body.model)
     validate_sampling(body)
     tk = state.tokenizer
+    plan = None
     if chat:
-        messages = chat_messages(body)
+        plan = (await asyncio.to_thread(plan_tools, body.tools, body.tool_choice) if body.tools is not None
+                else plan_tools(None, body.tool_choice))
+        messages = render_messages(chat_messages(body), body.messages, plan, tk.template_has_tools)
         _check_fits(state, sum(tk.min_tokens(m["content"]) for m in messages), "messages")
+        offered = ([{"type": "function", "function": f} for f in plan.offered]
+                   if plan is not None and tk.template_has_tools else None)
         try:
-            text = await asyncio.to_thread(tk.apply_chat_template, messages)
+            text = await asyncio.to_thread(tk.apply_chat_template, messages, True, offered)
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         ids = await _encode(tk, text)
@@ -245,6 +254,12 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
         raise InvalidRequest(f"min_tokens ({body.min_tokens}) must not exceed {param} ({max_tokens})",
                              param="min_tokens")
     stop_token_ids, logit_bias = token_id_fields(body, tk.vocab_size)
+    grammar = await asyncio.to_thread(grammar_of, body) if constrained(body) else ""
+    if plan is not None and plan.grammar:
+        if grammar:
+            raise InvalidRequest("a forced tool_choice cannot be combined with another output constraint",
+                                 param="tool_choice")
+        grammar = plan.grammar
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req = GenerationRequest(
         request_id=rid, prompt_token_ids=tuple(ids), max_tokens=max_tokens,
@@ -254,12 +269,14 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
         stop=stop_strings(body), ignore_eos=body.ignore_eos, stop_token_ids=stop_token_ids,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=logit_bias,
-        min_tokens=body.min_tokens, logprobs=requested_logprobs(body), prompt_logprobs=prompt_logprobs_k(body))
+        min_tokens=body.min_tokens, logprobs=requested_logprobs(body), prompt_logprobs=prompt_logprobs_k(body),
+        grammar=grammar)
     echo = not chat and body.echo
     out = Output(logprobs=req.logprobs is not None,
                  echo_text=(prompt if isinstance(prompt, str) else tk.decode(ids)) if echo else None,
                  echo_logprobs=echo and req.logprobs is not None,
-                 prompt_logprobs=body.prompt_logprobs is not None)
+                 prompt_logprobs=body.prompt_logprobs is not None,
+                 tool_names=plan.names if plan is not None else None)
     return req, Shape.new(chat, rid, cfg.served_model_name), out
 
 
@@ -339,7 +356,30 @@ async def _collect(state: RouterState, shape: Shape, req: GenerationRequest, fir
             lps += d.logprobs
             last = d
     lp = merge_logprobs(echo_lp, builder.build(tokens, lps)) if builder is not None else None
-    return shape.full("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, lp, extra)
+    text, finish, calls = "".join(parts), last.finish_reason, None
+    if out.tool_names is not None:
+        text, calls = parse_calls(text, out.tool_names)
+        finish = "tool_calls" if calls else finish
+    return shape.full(text, finish, last.prompt_tokens, last.completion_tokens, lp, extra, calls)
+
+
+async def _stream_tools(shape: Shape, first: Delta, it: AsyncIterator[Delta], builder, include_usage: bool,
+                        names: tuple[str, ...]) -> AsyncIterator[str | Delta]:
+    """A streamed answer with tools: every delta read (yielded back for the usage count), then one
+    chunk with the tool calls, or the text, and the finish reason."""
+    parts, tokens, lps, d = [], [], [], first
+    while True:
+        parts.append(d.text)
+        tokens += d.token_ids
+        lps += d.logprobs
+        yield d
+        if d.finish_reason is not None:
+            break
+        d = await it.__anext__()
+    text, calls = parse_calls("".join(parts), names)
+    lp = builder.build(tokens, lps) if builder is not None else None
+    yield sse(shape.chunk(text, "tool_calls" if calls else d.finish_reason, include_usage, logprobs=lp,
+                          tool_calls=calls))
 
 
 async def _stream(state: RouterState, shape: Shape, req: GenerationRequest, first: Delta,
@@ -354,7 +394,13 @@ async def _stream(state: RouterState, shape: Shape, req: GenerationRequest, firs
             elif echo_text or extra:
                 yield sse(shape.chunk(echo_text, None, include_usage, logprobs=echo_lp, extra=extra))
             d = first
-            while True:
+            if out.tool_names is not None:   # calls or text: known at the end
+                async for chunk in _stream_tools(shape, d, it, builder, include_usage, out.tool_names):
+                    last = chunk if isinstance(chunk, Delta) else last
+                    if isinstance(chunk, str):
+                        yield chunk
+                d = None
+            while d is not None:
                 last = d
                 if d.text or d.finish_reason is not None or (builder and d.token_ids):
                     lp = builder.build(d.token_ids, d.logprobs) if builder else None

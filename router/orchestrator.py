@@ -82,6 +82,7 @@ class GenerationRequest:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str = ""
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ class Orchestrator:
                                 ignore_eos=r.ignore_eos, presence_penalty=r.presence_penalty,
                                 frequency_penalty=r.frequency_penalty,
                                 repetition_penalty=r.repetition_penalty, logit_bias=dict(r.logit_bias),
-                                min_tokens=r.min_tokens, num_resumed=len(run.generated))
+                                min_tokens=r.min_tokens, num_resumed=len(run.generated), grammar=r.grammar)
         if r.seed is not None:
             msg.seed = r.seed
         if r.logprobs is not None:

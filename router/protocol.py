@@ -52,17 +52,18 @@ class _SamplingFields(_Lenient):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Fields that change the output and are not served yet: a 400 rather than a silent ignore.
+    # Structured outputs (router/structured.py); checked there, not by the schema.
     response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # Fields that change the output and are not served yet: a 400 rather than a silent ignore.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -84,6 +85,8 @@ class TextPart(_Lenient):
 class ChatMessage(_Lenient):
     role: str
     content: Union[str, list[TextPart], None] = None
+    tool_calls: list[dict] | None = None     # an assistant's earlier calls (router/tools.py)
+    tool_call_id: str | None = None
 
 
 class ChatRequest(_SamplingFields):
@@ -219,17 +222,13 @@ def validate_sampling(req: _SamplingFields) -> None:
                                  param="top_logprobs")
 
 
-_UNSERVED = ("tools", "tool_choice", "functions", "function_call", "guided_json", "guided_regex",
-             "guided_choice", "guided_grammar", "structured_outputs")
+_UNSERVED = ("functions", "function_call")   # the deprecated forms of tools / tool_choice
 
 
 def _refuse_unserved(req: _SamplingFields) -> None:
-    """A 400 for a field that would change the output and is not served yet."""
-    fmt = req.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise InvalidRequest("response_format other than {'type': 'text'} is not supported yet",
-                             param="response_format")
-    for name in _UNSERVED:
+    """A 400 for a field that would change the output and is not served (tools: chat only)."""
+    names = _UNSERVED if isinstance(req, ChatRequest) else ("tools", "tool_choice", *_UNSERVED)
+    for name in names:
         value = getattr(req, name)
         if value is not None and not (name == "tool_choice" and value == "none"):
             raise InvalidRequest(f"{name} is not supported yet", param=name)

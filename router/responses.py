@@ -27,10 +27,13 @@ class Shape:
                 "system_fingerprint": None}
 
     def full(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
-             logprobs: dict | None = None, extra: dict | None = None) -> dict:
+             logprobs: dict | None = None, extra: dict | None = None,
+             tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         choice.update(extra or {})
@@ -40,13 +43,16 @@ class Shape:
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None, include_usage: bool,
-              role: bool = False, logprobs: dict | None = None, extra: dict | None = None) -> dict:
+              role: bool = False, logprobs: dict | None = None, extra: dict | None = None,
+              tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

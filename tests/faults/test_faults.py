@@ -3,9 +3,10 @@
 Phases, in order, each with its own stream of streaming requests from the client namespace:
 kill -9 a decode worker mid-stream; kill -9 a prefill worker mid-transfer; add a decode worker;
 drain a prefill worker (SIGTERM: it finishes in-flight work and exits 0); restart the router.
-Every other request samples with a seed (the rest are greedy). Every request must complete with
-the reference engine's text for its parameters (a seeded request retried or migrated mid-stream
-resumes its draws where they were), or fail with a clear error
+Every other request samples with a seed, one in four is greedy under a JSON schema, the rest are
+greedy. Every request must complete with the reference engine's text for its parameters (a seeded
+request retried or migrated mid-stream resumes its draws where they were; a constrained one its
+grammar state), or fail with a clear error
 (only where the router is down, by design). After all phases no KV block is missing from any
 live worker's pool. A per-fault table (sent, completed, retried, migrated, failed) is printed.
 """
@@ -18,6 +19,7 @@ import time
 
 import pytest
 
+from router.structured import json_schema_grammar
 from tests.faults.netlab import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -27,6 +29,8 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "E
              "Why is the sky blue?", "Give three tips for sleeping well."]
 MAX_TOKENS = 40
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}   # odd requests, seed 1000 + prompt index
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
+          "required": ["answer", "confidence"], "additionalProperties": False}   # requests 2, 6, 10, ...
 REPORT: dict[str, dict] = {}
 
 
@@ -43,7 +47,9 @@ def workload(smollm):
     refs = gen.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     sampled = gen.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, seed=1000 + i, **SAMPLED)
                                      for i in range(len(prompts))])
-    return prompts, [r.text for r in refs], [r.text for r in sampled]
+    grammar = json_schema_grammar(ANSWER, "guided_json")
+    shaped = gen.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, grammar=grammar))
+    return prompts, [r.text for r in refs], [r.text for r in sampled], [r.text for r in shaped]
 
 
 def _requests(workload, n: int, tag: str) -> list[dict]:
@@ -53,13 +59,15 @@ def _requests(workload, n: int, tag: str) -> list[dict]:
         req = {"id": f"{tag}-{i}", "prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS}
         if i % 2:
             req["sampling"] = {**SAMPLED, "seed": 1000 + i % len(prompts)}
+        elif i % 4 == 2:
+            req["sampling"] = {"guided_json": ANSWER}
         out.append(req)
     return out
 
 
 def _expected(workload, i: int) -> str:
-    _, greedy, sampled = workload
-    return (sampled if i % 2 else greedy)[i % len(greedy)]
+    _, greedy, sampled, shaped = workload
+    return (sampled if i % 2 else shaped if i % 4 == 2 else greedy)[i % len(greedy)]
 
 
 def _metric(probe: dict, prefix: str) -> float:

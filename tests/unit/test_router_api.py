@@ -102,9 +102,14 @@ def test_malformed_json_is_400(client):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 2.5}, "repetition_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "strin"}}}}, "response_format.json_schema.schema"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a(b"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
-    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+"}, "guided_regex"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
     ("/v1/completions", {"prompt": "hi", "top_k": 2147483648}, "top_k"),   # was a 500 (int32)
