@@ -192,7 +192,7 @@ class Row:
 class TokenLogprobs:
     """Log-probabilities at one position, from the model's float32 logits before any processing
     (vLLM's default ``raw_logprobs``): ``logprob`` of the chosen ``token_id``, its ``rank`` (1 =
-    most likely) and ``top``, the k most likely ``(token_id, logprob)`` pairs, best first."""
+    most likely; prompt logprobs only, 0 elsewhere) and ``top``, the k most likely ``(token_id, logprob)`` pairs, best first."""
 
     token_id: int
     logprob: float
@@ -232,13 +232,14 @@ def process_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     p = row.params
     if not p.has_processors:
         return logits
-    scores = logits.clone()
+    if row.matcher is not None:   # a new tensor with the disallowed tokens at -inf
+        scores = torch.where(row.matcher.allowed(), logits, float("-inf"))
+    else:
+        scores = logits.clone()
     vocab = scores.numel()
     prompt = row.prompt_token_ids
     first_output = len(prompt) - p.num_resumed
     num_out = p.num_resumed + len(row.output_token_ids)
-    if row.matcher is not None:
-        scores.masked_fill_(~row.matcher.allowed(), float("-inf"))
     if num_out < p.min_tokens and row.stop_token_ids:
         ids = [t for t in row.stop_token_ids if t < vocab]
         scores[ids] = float("-inf")
@@ -307,19 +308,21 @@ def compute_logprobs(logits: torch.Tensor, rows: Sequence[SampleRow],
     return out
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int],
+                   ranks: bool = False) -> list[TokenLogprobs]:
     """Logprobs of ``token_ids[i]`` under row ``i`` of ``logits`` (``[N, vocab]``), with the
-    ``ks[i]`` best of that row; float32 log_softmax, one batched pass."""
+    ``ks[i]`` best of that row; float32 log_softmax, one batched pass. ``ranks``: also count each
+    token's rank (a pass over the vocabulary; only prompt logprobs report it), else rank 0."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     index = torch.tensor(list(token_ids), dtype=torch.long, device=lp.device)
     chosen_t = lp.gather(1, index[:, None])
-    ranks = (lp > chosen_t).sum(-1).add_(1).tolist()
+    rank = (lp > chosen_t).sum(-1).add_(1).tolist() if ranks else [0] * len(token_ids)
     chosen = chosen_t[:, 0].tolist()
     k = max(ks, default=0)
     top_v, top_i = (lp.topk(k, dim=-1) if k else (None, None))
     top_v, top_i = (top_v.tolist(), top_i.tolist()) if k else (None, None)
     return [TokenLogprobs(int(t), chosen[i], tuple(zip(top_i[i][:ks[i]], top_v[i][:ks[i]])) if ks[i] else (),
-                          ranks[i]) for i, t in enumerate(token_ids)]
+                          rank[i]) for i, t in enumerate(token_ids)]
 
 
 def prompt_logprobs_of(logits: torch.Tensor, prompt: Sequence[int], start: int, k: int) -> list[TokenLogprobs]:
@@ -339,4 +342,4 @@ def prompt_logprobs_of(logits: torch.Tensor, prompt: Sequence[int], start: int, 
     targets = list(prompt[start + 1:start + 1 + logits.shape[0]])
     if not targets:
         return []
-    return token_logprobs(logits[:len(targets)], targets, [k] * len(targets))
+    return token_logprobs(logits[:len(targets)], targets, [k] * len(targets), ranks=True)

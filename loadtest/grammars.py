@@ -38,6 +38,12 @@ REGEX = (r"\d{4}-\d{2}-\d{2}", "1969-07-20")
 CHOICE = (["yes", "no", "maybe"], "maybe")
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
 def _percentiles(samples: list[float]) -> dict:
     s = sorted(samples)
     return {"p50_us": 1e6 * s[len(s) // 2], "p99_us": 1e6 * s[min(len(s) - 1, int(len(s) * 0.99))],
@@ -63,7 +69,7 @@ def bench_llguidance(tk, cases: dict) -> dict:
 
     t0 = time.perf_counter()
     lltok = llguidance.LLTokenizer(tk.backend.to_str(), n_vocab=tk.vocab_size, eos_token=tk.eos_token_id)
-    out = {"tokenizer_ms": 1e3 * (time.perf_counter() - t0), "version": llguidance.__version__, "cases": {}}
+    out = {"tokenizer_ms": 1e3 * (time.perf_counter() - t0), "version": _version("llguidance"), "cases": {}}
     for name, (kind, spec, text) in cases.items():
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_LAYOUT)
@@ -91,7 +97,7 @@ def bench_xgrammar(tk, cases: dict) -> dict | None:
     info = xgr.TokenizerInfo([tk.token_bytes(i) for i in range(tk.vocab_size)], vocab_type=xgr.VocabType.RAW,
                              vocab_size=tk.vocab_size, stop_token_ids=[tk.eos_token_id])
     compiler = xgr.GrammarCompiler(info)
-    out = {"tokenizer_ms": 1e3 * (time.perf_counter() - t0), "version": xgr.__version__, "cases": {}}
+    out = {"tokenizer_ms": 1e3 * (time.perf_counter() - t0), "version": _version("xgrammar"), "cases": {}}
     for name, (kind, spec, text) in cases.items():
         t0 = time.perf_counter()
         if kind == "json":
