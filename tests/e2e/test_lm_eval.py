@@ -1,0 +1,117 @@
+"""lm-evaluation-harness against the router (its ``local-completions`` model, remote tokenizer
+through /tokenizer_info, /tokenize, /detokenize) and against Hugging Face transformers on the
+same GGUF weights (``--model hf``), in the same run, on two local tasks (no hub access): a
+loglikelihood multiple-choice task (echo + logprobs: the prompt logprobs come from the prefill
+worker) and a generate_until task (greedy, stop at a newline). Scores must be equal, every
+per-choice loglikelihood within 1e-3 of transformers', and every generation the same text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import assert_pools_full, start_cluster, stop_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+MODEL = "SmolLM2-135M-Instruct"
+DATA = Path(__file__).resolve().parent.parent / "data" / "lm_eval"
+
+TASKS = {
+    "pdserve_choices": f"""task: pdserve_choices
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {DATA / 'choices.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+target_delimiter: ""
+metric_list:
+  - metric: acc
+""",
+    "pdserve_questions": f"""task: pdserve_questions
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {DATA / 'questions.jsonl'}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: " {{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 12
+  do_sample: false
+  temperature: 0
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("lm-eval"), num_prefill=1, num_decode=1, transfer_engine="auto")
+    yield c
+    stop_cluster(c)
+
+
+def _lm_eval(tmp: Path, name: str, model: str, model_args: str) -> tuple[dict, dict, dict]:
+    """(results by task, loglikelihoods by (doc, choice), generations by doc) of one ``lm_eval``
+    run."""
+    tasks = tmp / "tasks"
+    tasks.mkdir(exist_ok=True)
+    for task, yaml in TASKS.items():
+        (tasks / f"{task}.yaml").write_text(yaml)
+    out = tmp / name
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp / "datasets-cache"), "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
+         "--tasks", ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "1",
+         "--output_path", str(out), "--log_samples", "--seed", "1234", "--device", "cpu"],
+        env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    lls, texts = {}, {}
+    for f in out.rglob("samples_pdserve_choices_*.jsonl"):
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            for i, resp in enumerate(s["resps"]):
+                lls[(s["doc_id"], i)] = float(resp[0][0])
+    for f in out.rglob("samples_pdserve_questions_*.jsonl"):
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            texts[s["doc_id"]] = s["resps"][0][0]
+    return results, lls, texts
+
+
+def test_scores_equal_transformers(cluster, tmp_path):
+    from engine.modelfile import default_model_path
+
+    gguf = default_model_path()
+    ours, our_lls, our_texts = _lm_eval(tmp_path, "pdserve", "local-completions",
+                             f"base_url={cluster.url}/v1/completions,model={MODEL},num_concurrent=1,"
+                             "max_retries=1,tokenized_requests=True,tokenizer_backend=remote")
+    theirs, their_lls, their_texts = _lm_eval(tmp_path, "hf", "hf",
+                                 f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32")
+    print("\nlm-eval pdserve:", {t: r for t, r in ours.items()})
+    print("lm-eval transformers:", {t: r for t, r in theirs.items()})
+    assert ours["pdserve_choices"]["acc,none"] == theirs["pdserve_choices"]["acc,none"]
+    assert ours["pdserve_questions"]["exact_match,none"] == theirs["pdserve_questions"]["exact_match,none"]
+    assert ours["pdserve_choices"]["acc,none"] > 0.5   # the task measures something
+    assert set(our_lls) == set(their_lls) and len(our_lls) == 60
+    worst = max(abs(our_lls[k] - their_lls[k]) for k in our_lls)
+    print(f"largest loglikelihood difference: {worst:.2e}")
+    assert worst < 1e-3
+    assert len(our_texts) == 16 and our_texts == their_texts   # greedy generations, token for token
+    assert_pools_full(cluster)
