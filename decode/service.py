@@ -83,7 +83,8 @@ class DecodeService(pb_grpc.DecodeServicer):
     async def Decode(self, request, context):
         params = sampling_from_proto(request.sampling)
         sink = AsyncSink(asyncio.get_running_loop())
-        await _ctl(self.worker.start_decode, request.request_id, request.first_token, request.num_writes,
+        first = list(request.first_tokens) if params.n > 1 else request.first_token
+        await _ctl(self.worker.start_decode, request.request_id, first, request.num_writes,
                    list(request.prompt_token_ids), params, sink)
         async for chunk in self._stream(request.request_id, sink):
             yield chunk
@@ -97,19 +98,20 @@ class DecodeService(pb_grpc.DecodeServicer):
             yield chunk
 
     async def _stream(self, request_id: str, sink: AsyncSink):
-        """Token chunks of one request: every output already queued goes in one chunk. Raises
-        the transfer's error; an end before the finish (cancelled) aborts the request."""
+        """Token chunks of one request: every output already queued goes out at once, one chunk
+        per choice. Raises the transfer's error; an end before the finish (cancelled) aborts the
+        request."""
         finished = False
         try:
             while not finished:
                 outputs = [await sink.get()]
-                while not isinstance(outputs[-1], Exception) and not outputs[-1].finished:
+                while not isinstance(outputs[-1], Exception) and not outputs[-1].request_finished:
                     try:
                         outputs.append(sink.get_nowait())
                     except asyncio.QueueEmpty:
                         break
-                chunk, finished = _chunk(outputs)
-                if chunk is not None:
+                chunks, finished = _chunks(outputs)
+                for chunk in chunks:
                     yield chunk
         finally:
             if not finished:   # cancelled, or failed: make sure nothing of it stays
@@ -151,23 +153,24 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.worker.close()
 
 
-def _chunk(outputs: list) -> tuple[pb.TokenChunk | None, bool]:
-    """(chunk, finished) from a run of sink items; raises the error that ends a run."""
-    tokens: list[int] = []
-    logprobs: list[pb.TokenLogprobs] = []
-    prompt_logprobs: list[pb.TokenLogprobs] = []
-    reason = ""
+def _chunks(outputs: list) -> tuple[list[pb.TokenChunk], bool]:
+    """(one chunk per choice, request finished) from a run of sink items; raises the error that
+    ends a run."""
+    by_choice: dict[int, pb.TokenChunk] = {}
+    finished = False
     for item in outputs:
         if isinstance(item, Exception):
             raise item
         out: StepOutput = item
-        tokens += out.new_token_ids
-        logprobs += [logprobs_to_proto(lp) for lp in out.logprobs]
-        prompt_logprobs += [logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()]
+        chunk = by_choice.get(out.index)
+        if chunk is None:
+            chunk = by_choice[out.index] = pb.TokenChunk(index=out.index)
+        chunk.token_ids.extend(out.new_token_ids)
+        chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs)
+        chunk.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs or ())
         if out.finish_reason == FinishReason.ERROR:
-            log.warning("sequence %s failed alone in its batch", out.request_id)
+            log.warning("sequence %s (choice %d) failed alone in its batch", out.request_id, out.index)
         if out.finish_reason is not None:
-            reason = out.finish_reason.value
-    return pb.TokenChunk(token_ids=tokens, finish_reason=reason, logprobs=logprobs,
-                         prompt_logprobs=prompt_logprobs), bool(reason)
-
+            chunk.finish_reason = out.finish_reason.value
+        finished = finished or out.request_finished
+    return list(by_choice.values()), finished

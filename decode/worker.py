@@ -104,7 +104,7 @@ class Reservation:
     writer_stopped: bool = False
     sink: Sink | None = None
     detached: bool = False   # its stream ended early: nobody reads it any more
-    first_token: int = 0
+    first_token: int | list[int] = 0   # n > 1: one per choice
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
 
@@ -226,7 +226,7 @@ class DecodeWorker:
             self._reservations[request_id] = r
             return r
 
-    def start_decode(self, request_id: str, first_token: int, num_writes: int,
+    def start_decode(self, request_id: str, first_token: int | list[int], num_writes: int,
                      prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         """Queue the request behind its KV transfer; returns at once.
 
@@ -240,8 +240,10 @@ class DecodeWorker:
                 does not compile or rejects the first token.
         """
         vocab = self._model.vocab_size
-        if not 0 <= first_token < vocab:
-            raise InvalidRequestError(f"first_token {first_token} outside the vocabulary [0, {vocab})")
+        firsts = [first_token] if isinstance(first_token, int) else list(first_token)
+        if len(firsts) != params.n or not all(0 <= t < vocab for t in firsts):
+            raise InvalidRequestError(f"{params.n} first tokens inside the vocabulary [0, {vocab}) expected, "
+                                      f"got {firsts[:20]}")
         if not 0 <= num_writes <= MAX_WRITES_PER_REQUEST:
             raise InvalidRequestError(f"num_writes {num_writes} out of range")
         validate_request(prompt_token_ids, params, self._model.max_position, vocab)
@@ -249,8 +251,8 @@ class DecodeWorker:
             if self.gen.grammars is None:
                 raise InvalidRequestError("structured outputs need the model's tokenizer")
             resumed = prompt_token_ids[len(prompt_token_ids) - params.num_resumed:] if params.num_resumed else []
-            self.gen.grammars.matcher(params.grammar, [*resumed, first_token]
-                                      if first_token not in params.stop_token_ids else resumed)
+            for t in firsts:
+                self.gen.grammars.matcher(params.grammar, [*resumed, t] if t not in params.stop_token_ids else resumed)
         with self._state:
             r = self._reservations.get(request_id)
             if r is None or r.state != ResState.RESERVED:
@@ -388,7 +390,7 @@ class DecodeWorker:
 
     def _finish(self, r: Reservation, out: StepOutput) -> None:
         r.sink.put(out)
-        if out.finished and r.state == ResState.DECODING:
+        if out.request_finished and r.state == ResState.DECODING:
             r.move(ResState.DONE)
             del self._reservations[r.request_id]
             key = "sequences_failed" if out.finish_reason == FinishReason.ERROR else "requests_finished"
@@ -426,8 +428,8 @@ class DecodeWorker:
         self.counter.release(r.slot, r.generation)
         self.metrics["transfers_completed"] += 1
         r.move(ResState.DECODING)
-        if done is not None:
-            self._finish(r, done)
+        for out in done:
+            self._finish(r, out)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

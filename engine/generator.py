@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
 
+import torch
+
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
@@ -28,8 +30,8 @@ from engine.grammar import Grammars
 from engine.ids import BlockId, RequestId
 from engine.kv_cache import KVPool, blocks_needed
 from engine.model import LlamaModel
-from engine.sampling import (SamplingError, SamplingParams, TokenLogprobs, compute_logprobs, prompt_logprobs_of,
-                             sample)
+from engine.sampling import (SamplingError, SamplingParams, TokenLogprobs, child_params, compute_logprobs,
+                             prompt_logprobs_of, sample)
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
 
@@ -44,6 +46,8 @@ class StepOutput:
         logprobs: one `TokenLogprobs` per new token when the request asked for logprobs.
         prompt_logprobs: with the first token, when asked for: one per prompt token after the
             first.
+        index: the choice (n > 1) this output belongs to.
+        request_finished: every choice of the request has finished (with n = 1: ``finished``).
     """
 
     request_id: RequestId
@@ -54,6 +58,8 @@ class StepOutput:
     num_output_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    index: int = 0
+    request_finished: bool = False
 
     @property
     def finished(self) -> bool:
@@ -117,6 +123,7 @@ class Generator:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[RequestId, Sequence] = {}
+        self._families: dict[RequestId, list[Sequence]] = {}   # request -> its sequences (n > 1)
         self._stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer else frozenset()
         if grammars is None and tokenizer is not None:
             grammars = Grammars(tokenizer, tokenizer.stop_token_ids)
@@ -137,12 +144,17 @@ class Generator:
             raise CapacityError(
                 f"request needs {need} KV blocks; the pool holds {self.pool.num_blocks}")
         self.waiting.append(seq)
-        self._by_id[seq.request_id] = seq
+        self._register(seq)
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
-                      block_table: Seq[BlockId], params: SamplingParams) -> StepOutput | None:
+    def _register(self, seq: Sequence) -> None:
+        self._by_id[seq.request_id] = seq
+        self._families.setdefault(seq.request, []).append(seq)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int | Seq[int],
+                      block_table: Seq[BlockId], params: SamplingParams) -> list[StepOutput]:
         """Join a request whose prompt K/V already sit in ``block_table`` (written by a prefill
-        worker) to the running batch, with the first token the prefill sampled.
+        worker) to the running batch, with the first token the prefill sampled (``params.n`` > 1:
+        one first token per choice; the sequence forks here, `_fork`).
 
         Ownership of ``block_table`` passes to the generator: it frees the blocks when the request
         finishes or is aborted. The first token counts towards ``max_tokens`` and stop checks; the
@@ -150,26 +162,60 @@ class Generator:
         running already it waits (its blocks held) until the batch has room.
 
         Returns:
-            A finished `StepOutput` when the first token already ends the request (then the blocks
-            are freed), else None.
+            The `StepOutput` of each choice whose first token already ends it (its blocks freed).
         Raises:
-            InvalidRequestError / ContextLengthError: as `add_request`.
+            InvalidRequestError / ContextLengthError: as `add_request`; a first token outside the
+                vocabulary, or not ``params.n`` of them.
+            CapacityError: no free block for a choice's copy of the last prompt block (n > 1).
             ValueError: duplicate request id, or ``block_table`` too short for the prompt.
         """
+        firsts = [int(first_token)] if isinstance(first_token, int) else [int(t) for t in first_token]
         if len(block_table) * self.pool.block_size < len(prompt_token_ids):
             raise ValueError(f"{len(block_table)} blocks cannot hold a {len(prompt_token_ids)}-token prompt")
-        if not 0 <= first_token < self.model.config.vocab_size:
-            raise InvalidRequestError(f"first token {first_token} outside the vocabulary")
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if len(firsts) != params.n or not all(0 <= t < self.model.config.vocab_size for t in firsts):
+            raise InvalidRequestError(f"{params.n} first tokens inside the vocabulary expected, got {firsts}")
+        seq = self._new_sequence(request_id, prompt_token_ids, child_params(params, 0))
         seq.block_table, seq.num_computed = list(block_table), len(prompt_token_ids)
-        self._by_id[seq.request_id] = seq
-        if len(self.running) < self.config.max_num_seqs:
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-        else:   # the batch is full: it waits, its KV in place; the next prefill pass computes
-            self.waiting.append(seq)   # its first token's K/V and samples the second
-        out = self._append(seq, int(first_token))
-        return out if out.finished else None
+        family = [seq] + self._fork(seq, params)
+        for s in family:
+            self._register(s)
+            if len(self.running) < self.config.max_num_seqs:
+                s.status = SeqStatus.RUNNING
+                self.running.append(s)
+            else:   # the batch is full: it waits, its KV in place; the next prefill pass computes
+                self.waiting.append(s)   # its first token's K/V and samples the second
+        outs = [self._append(s, t) for s, t in zip(family, firsts)]
+        return [o for o in outs if o.finished]
+
+    def _fork(self, seq: Sequence, params: SamplingParams) -> list[Sequence]:
+        """Choices 1 .. n-1 of ``seq``'s request, each a sequence sharing its prompt's full
+        blocks (reference counted) and owning a copy of its partial last prompt block (the
+        choices write different tokens there); not yet registered.
+
+        Raises:
+            CapacityError: no free block for a copy (nothing is kept).
+        """
+        if params.n == 1:
+            return []
+        bs, prompt_len = self.pool.block_size, len(seq.prompt_token_ids)
+        full, partial = divmod(prompt_len, bs)
+        shared = seq.block_table[:full]
+        copies = self.pool.allocator.try_allocate((params.n - 1) if partial else 0)
+        if copies is None:
+            raise CapacityError(f"no free KV block to fork {seq.request_id} into {params.n} choices")
+        children = []
+        for i in range(1, params.n):
+            child = self._new_sequence(f"{seq.request_id}/{i}", seq.prompt_token_ids, child_params(params, i))
+            child.parent, child.index = seq.request_id, i
+            self.pool.allocator.incref(shared)
+            child.block_table = list(shared)
+            if partial:
+                dst = copies[i - 1]
+                self.pool.kv[:, :, dst].copy_(self.pool.kv[:, :, seq.block_table[full]])
+                child.block_table.append(dst)
+            child.num_computed = prompt_len
+            children.append(child)
+        return children
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
         rid = RequestId(request_id)
@@ -189,12 +235,17 @@ class Generator:
         return seq
 
     def abort(self, request_id: str) -> StepOutput | None:
-        """Stop a request and free its blocks; None when it is not in flight."""
+        """Stop a request (every choice; ``request_id`` may name any of its sequences) and free
+        its blocks; returns the last output (``request_finished``), None when not in flight."""
         seq = self._by_id.get(RequestId(request_id))
         if seq is None:
             return None
-        seq.finish(FinishReason.ABORT)
-        return self._retire(seq, [], "")
+        out = None
+        for member in list(self._families.get(seq.request, [seq])):
+            if member.status != SeqStatus.FINISHED:
+                member.finish(FinishReason.ABORT)
+                out = self._retire(member, [], "")
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -268,12 +319,30 @@ class Generator:
                 seq.prompt_logprobs += prompt_logprobs_of(logits[first:first + rows], seq.prompt_token_ids,
                                                           chunk.start, seq.params.prompt_logprobs)
         logits = batch.sampling_logits(logits)
-        sampled_seqs = [s for s, c in scheduled if c.need_logits]
-        tokens = sample(logits, sampled_seqs)
-        logprobs = compute_logprobs(logits, sampled_seqs, tokens)
         for seq, chunk in scheduled:
             seq.num_computed += len(chunk.token_ids)
         outputs = []
+        sampled_seqs, rows = [], []
+        for row, seq in enumerate(s for s, c in scheduled if c.need_logits):
+            family = [seq]
+            if seq.params.n > 1 and not seq.output_token_ids:   # the prompt is in: fork here
+                params = seq.params
+                seq.params = child_params(params, 0)
+                try:
+                    family += self._fork(seq, params)
+                except CapacityError:
+                    seq.finish(FinishReason.ERROR)
+                    outputs.append(self._retire(seq, [], ""))
+                    continue
+                for child in family[1:]:
+                    self._register(child)
+                    self.waiting.append(child)
+            sampled_seqs += family
+            rows += [row] * len(family)
+        if len(rows) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+        tokens = sample(logits, sampled_seqs)
+        logprobs = compute_logprobs(logits, sampled_seqs, tokens)
         for seq, token, lp in zip(sampled_seqs, tokens, logprobs):
             if isinstance(token, SamplingError):   # this sequence fails alone
                 seq.finish(FinishReason.ERROR)
@@ -313,8 +382,8 @@ class Generator:
                 delta += seq.detokenizer.flush()
             return self._retire(seq, [token], delta, lp)
         seq.text += delta
-        return StepOutput(seq.request_id, [token], delta, None, len(seq.prompt_token_ids),
-                          len(seq.output_token_ids), [lp] if lp is not None else [])
+        return StepOutput(seq.request, [token], delta, None, len(seq.prompt_token_ids),
+                          len(seq.output_token_ids), [lp] if lp is not None else [], index=seq.index)
 
     def _retire(self, seq: Sequence, new_tokens: list[int], delta: str,
                 lp: TokenLogprobs | None = None) -> StepOutput:
@@ -326,8 +395,13 @@ class Generator:
         seq.block_table = []
         seq.text += delta
         del self._by_id[seq.request_id]
-        return StepOutput(seq.request_id, new_tokens, delta, seq.finish_reason,
-                          len(seq.prompt_token_ids), len(seq.output_token_ids), [lp] if lp is not None else [])
+        family = self._families.get(seq.request, [])
+        done = all(m.status == SeqStatus.FINISHED for m in family)
+        if done:
+            self._families.pop(seq.request, None)
+        return StepOutput(seq.request, new_tokens, delta, seq.finish_reason,
+                          len(seq.prompt_token_ids), len(seq.output_token_ids), [lp] if lp is not None else [],
+                          index=seq.index, request_finished=done)
 
     # -- convenience ----------------------------------------------------------------------
     def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],

@@ -54,6 +54,13 @@ class Sequence:
     text: str = ""
     prompt_logprobs: list | None = None   # `TokenLogprobs` gathered over the prompt's chunks
     matcher: object | None = None         # `engine.grammar.Matcher` when params.grammar is set
+    parent: RequestId | None = None       # the request (n > 1: one of its choices); None: itself
+    index: int = 0                        # choice index within the request
+
+    @property
+    def request(self) -> RequestId:
+        """The request this sequence belongs to."""
+        return self.parent if self.parent is not None else self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

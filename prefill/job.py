@@ -63,6 +63,8 @@ class PrefillResult:
     transfer_seconds: float
     first_logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_tokens: list[int] = field(default_factory=list)            # n > 1: every choice's
+    first_tokens_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -85,6 +87,8 @@ class PrefillJob:
     first_token: int | None = None
     first_logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_tokens: list[int] = field(default_factory=list)
+    first_tokens_logprobs: list[TokenLogprobs] = field(default_factory=list)
     matcher: object | None = None     # `engine.grammar.Matcher` when params.grammar is set
     num_writes: int = 0
     bytes_posted: int = 0
@@ -120,7 +124,7 @@ class PrefillJob:
             raise self.error
         return PrefillResult(self.first_token, self.num_writes, self.bytes_posted,
                              self.compute_seconds, self.transfer_seconds, self.first_logprobs,
-                             self.prompt_logprobs)
+                             self.prompt_logprobs, self.first_tokens, self.first_tokens_logprobs)
 
     def add_done_callback(self, callback: Callable[["PrefillJob"], None]) -> None:
         """Call ``callback(job)`` once the job finished (at once if it has); from the thread

@@ -73,6 +73,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         if r.first_logprobs is not None:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(r.first_logprobs))
         resp.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in r.prompt_logprobs)
+        resp.first_tokens.extend(r.first_tokens)
+        resp.first_tokens_logprobs.extend(logprobs_to_proto(lp) for lp in r.first_tokens_logprobs)
         return resp
 
     @unary

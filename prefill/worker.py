@@ -43,7 +43,8 @@ from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
 from engine.kv_cache import blocks_needed
 from engine.grammar import Grammars
-from engine.sampling import Row, SamplingError, SamplingParams, compute_logprobs, prompt_logprobs_of, sample
+from engine.sampling import (Row, SamplingError, SamplingParams, child_params, compute_logprobs,
+                             prompt_logprobs_of, sample)
 from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, pack_immediate,
                         plan_writes, to_write_ops)
 from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
@@ -333,20 +334,39 @@ class PrefillWorker:
                 job.prompt_logprobs += prompt_logprobs_of(logits[first:first + count], job.token_ids,
                                                           chunk.start, job.params.prompt_logprobs)
         logits = fb.sampling_logits(logits)
-        rows = [Row(j.params, j.params.make_generator(), j.token_ids,
-                    stop_token_ids=frozenset(j.params.stop_token_ids), matcher=j.matcher) for j in finishing]
-        tokens = sample(logits, rows)
-        logprobs = compute_logprobs(logits, rows, tokens)
+        rows, index = [], []
+        for i, j in enumerate(finishing):   # n > 1: one row per choice, on the same logits
+            for c in range(j.params.n):
+                p = child_params(j.params, c) if j.params.n > 1 else j.params
+                rows.append(Row(p, p.make_generator(), j.token_ids, stop_token_ids=frozenset(p.stop_token_ids),
+                                matcher=j.matcher))   # read only here: the choices share it
+                index.append(i)
+        if len(index) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+        drawn = sample(logits, rows)
+        drawn_lps = compute_logprobs(logits, rows, drawn)
+        tokens, logprobs, choices = [], [], []
+        at = 0
+        for j in finishing:
+            got = drawn[at:at + j.params.n]
+            bad = next((t for t in got if isinstance(t, SamplingError)), None)
+            tokens.append(bad if bad is not None else got[0])
+            logprobs.append(drawn_lps[at])
+            choices.append((got, drawn_lps[at:at + j.params.n]) if j.params.n > 1 else None)
+            at += j.params.n
         elapsed = time.monotonic() - t0
         with self._lock:
             for job, chunk in batch:
                 job.num_computed += len(chunk.token_ids)
                 job.compute_seconds += elapsed
-            for job, token, lp in zip(finishing, tokens, logprobs):
+            for job, token, lp, choice in zip(finishing, tokens, logprobs, choices):
                 if isinstance(token, SamplingError):
                     job.fail(PrefillError(f"sampling the first token failed: {token}"))
                 else:
                     job.first_token, job.first_logprobs = token, lp
+                    if choice is not None:
+                        job.first_tokens = list(choice[0])
+                        job.first_tokens_logprobs = [x for x in choice[1] if x is not None]
                 if not job.stopped:
                     job.num_writes = count_writes(self.res.layout, job.peer.layout, job.src_blocks,
                                                   job.dst_blocks, self.res.config.max_write_bytes)

@@ -44,7 +44,7 @@ from router.policy import make_policy
 from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, chat_messages,
                              check_lengths, check_unicode, effective_temperature, prompt_of,
-                             prompt_logprobs_k, requested_logprobs, requested_max_tokens, stop_strings, token_id_fields,
+                             choice_counts, prompt_logprobs_k, requested_logprobs, requested_max_tokens, stop_strings, token_id_fields,
                              validate_sampling)
 from router.responses import (LogprobsBuilder, Shape, error_body, merge_logprobs, router_error_body, sse,
                               vllm_prompt_logprobs)
@@ -189,6 +189,7 @@ class Output:
     echo_logprobs: bool = False
     prompt_logprobs: bool = False
     tool_names: tuple[str, ...] | None = None   # tools in play: the output is parsed for calls
+    n: int = 1                                    # choices returned (best_of may generate more)
 
 
 async def _serve(state: RouterState, body, chat: bool):
@@ -197,7 +198,7 @@ async def _serve(state: RouterState, body, chat: bool):
     m = state.metrics
     m.in_flight.inc()
     m.prompt_tokens.inc(len(req.prompt_token_ids))
-    deltas = _timed(state, state.orchestrator.generate(req), arrived, "chat" if chat else "completions")
+    deltas = _timed(state, state.orchestrator.generate(req), arrived, "chat" if chat else "completions", req.n)
     try:
         first = await deltas.__anext__()
     except BaseException as exc:
@@ -260,6 +261,7 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
             raise InvalidRequest("a forced tool_choice cannot be combined with another output constraint",
                                  param="tool_choice")
         grammar = plan.grammar
+    n, sequences = choice_counts(body)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req = GenerationRequest(
         request_id=rid, prompt_token_ids=tuple(ids), max_tokens=max_tokens,
@@ -269,10 +271,11 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
         stop=stop_strings(body), ignore_eos=body.ignore_eos, stop_token_ids=stop_token_ids,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=logit_bias,
-        min_tokens=body.min_tokens, logprobs=requested_logprobs(body), prompt_logprobs=prompt_logprobs_k(body),
-        grammar=grammar)
+        min_tokens=body.min_tokens, prompt_logprobs=prompt_logprobs_k(body), grammar=grammar, n=sequences,
+        # best_of ranks the sequences by cumulative logprob: it needs the sampled tokens' logprobs
+        logprobs=requested_logprobs(body) if sequences == n else (requested_logprobs(body) or 0))
     echo = not chat and body.echo
-    out = Output(logprobs=req.logprobs is not None,
+    out = Output(logprobs=requested_logprobs(body) is not None, n=n,
                  echo_text=(prompt if isinstance(prompt, str) else tk.decode(ids)) if echo else None,
                  echo_logprobs=echo and req.logprobs is not None,
                  prompt_logprobs=body.prompt_logprobs is not None,
@@ -306,11 +309,11 @@ async def _encode(tk, text: str) -> list[int]:
 
 
 async def _timed(state: RouterState, deltas: AsyncIterator[Delta], arrived: float,
-                 endpoint: str) -> AsyncIterator[Delta]:
+                 endpoint: str, n_choices: int = 1) -> AsyncIterator[Delta]:
     """Pass deltas through, observing TTFT, ITL and E2E latency."""
     m = state.metrics
     last = None
-    finish = None
+    finished: dict[int, str] = {}   # choice -> finish reason
     async with aclosing(deltas) as it:
         async for d in it:
             now = time.monotonic()
@@ -324,93 +327,120 @@ async def _timed(state: RouterState, deltas: AsyncIterator[Delta], arrived: floa
                     m.itl.observe((now - last) / n)
                 last = now
             if d.finish_reason is not None:
-                finish = d.finish_reason
-                m.e2e.observe(now - arrived)
+                finished[d.index] = d.finish_reason
                 m.generation_tokens.inc(d.completion_tokens)
-                m.requests.labels(endpoint, finish).inc()
+                if len(finished) == n_choices:
+                    m.e2e.observe(now - arrived)
+                    m.requests.labels(endpoint, d.finish_reason).inc()
             yield d
-    if finish is None:
+    if len(finished) < n_choices:
         m.requests.labels(endpoint, "abort").inc()
 
 
-def _prompt_part(state: RouterState, req: GenerationRequest, out: Output, first: Delta,
+def _prompt_part(state: RouterState, req: GenerationRequest, out: Output, prompt_logprobs,
                  builder: LogprobsBuilder | None) -> tuple[str, dict | None, dict]:
-    """(echoed text, echoed logprobs, extra choice fields) that go before the first token."""
-    echo_lp = (builder.build_prompt(req.prompt_token_ids, first.prompt_logprobs)
+    """(echoed text, echoed logprobs, extra choice fields) that go before a choice's first token."""
+    echo_lp = (builder.build_prompt(req.prompt_token_ids, prompt_logprobs)
                if out.echo_logprobs and builder is not None else None)
-    extra = ({"prompt_logprobs": vllm_prompt_logprobs(state.tokenizer, req.prompt_token_ids, first.prompt_logprobs)}
+    extra = ({"prompt_logprobs": vllm_prompt_logprobs(state.tokenizer, req.prompt_token_ids, prompt_logprobs)}
              if out.prompt_logprobs else {})
     return out.echo_text or "", echo_lp, extra
 
 
+class _Choice:
+    """What the deltas of one choice add up to."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+
+    def add(self, d: Delta) -> None:
+        self.parts.append(d.text)
+        self.tokens += d.token_ids
+        self.logprobs += d.logprobs
+        self.finish_reason = d.finish_reason or self.finish_reason
+        self.completion_tokens = d.completion_tokens
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
+
+def _finish_text(out: Output, text: str, finish: str | None) -> tuple[str | None, str | None, list | None]:
+    """(text, finish_reason, tool calls) of a finished choice: tool calls parsed out when tools
+    are in play."""
+    if out.tool_names is None:
+        return text, finish, None
+    text, calls = parse_calls(text, out.tool_names)
+    return text, ("tool_calls" if calls else finish), calls
+
+
 async def _collect(state: RouterState, shape: Shape, req: GenerationRequest, first: Delta,
                    deltas: AsyncIterator[Delta], out: Output) -> dict:
-    builder = LogprobsBuilder(state.tokenizer, shape.chat) if out.logprobs else None
-    echo_text, echo_lp, extra = _prompt_part(state, req, out, first, builder)
-    parts, tokens, lps = [echo_text, first.text], list(first.token_ids), list(first.logprobs)
-    last = first
+    acc: dict[int, _Choice] = {}
+    prompt_lps = first.prompt_logprobs
+    acc.setdefault(first.index, _Choice()).add(first)
     async with aclosing(deltas) as it:
         async for d in it:
-            parts.append(d.text)
-            tokens += d.token_ids
-            lps += d.logprobs
-            last = d
-    lp = merge_logprobs(echo_lp, builder.build(tokens, lps)) if builder is not None else None
-    text, finish, calls = "".join(parts), last.finish_reason, None
-    if out.tool_names is not None:
-        text, calls = parse_calls(text, out.tool_names)
-        finish = "tool_calls" if calls else finish
-    return shape.full(text, finish, last.prompt_tokens, last.completion_tokens, lp, extra, calls)
-
-
-async def _stream_tools(shape: Shape, first: Delta, it: AsyncIterator[Delta], builder, include_usage: bool,
-                        names: tuple[str, ...]) -> AsyncIterator[str | Delta]:
-    """A streamed answer with tools: every delta read (yielded back for the usage count), then one
-    chunk with the tool calls, or the text, and the finish reason."""
-    parts, tokens, lps, d = [], [], [], first
-    while True:
-        parts.append(d.text)
-        tokens += d.token_ids
-        lps += d.logprobs
-        yield d
-        if d.finish_reason is not None:
-            break
-        d = await it.__anext__()
-    text, calls = parse_calls("".join(parts), names)
-    lp = builder.build(tokens, lps) if builder is not None else None
-    yield sse(shape.chunk(text, "tool_calls" if calls else d.finish_reason, include_usage, logprobs=lp,
-                          tool_calls=calls))
+            acc.setdefault(d.index, _Choice()).add(d)
+            prompt_lps = prompt_lps if prompt_lps is not None else d.prompt_logprobs
+    order = sorted(acc)
+    if len(order) > out.n:   # best_of: the n with the highest cumulative logprob
+        order = sorted(order, key=lambda i: -acc[i].cumulative_logprob)[:out.n]
+    choices = []
+    for new_index, i in enumerate(order):
+        c = acc[i]
+        builder = LogprobsBuilder(state.tokenizer, shape.chat) if out.logprobs else None
+        echo_text, echo_lp, extra = _prompt_part(state, req, out, prompt_lps, builder)
+        lp = merge_logprobs(echo_lp, builder.build(c.tokens, c.logprobs)) if builder is not None else None
+        text, finish, calls = _finish_text(out, echo_text + "".join(c.parts), c.finish_reason)
+        choices.append(shape.choice(new_index, text, finish, lp, extra, calls))
+    completion = sum(c.completion_tokens for c in acc.values())   # every sequence generated counts
+    return shape.full(choices, first.prompt_tokens, completion)
 
 
 async def _stream(state: RouterState, shape: Shape, req: GenerationRequest, first: Delta,
                   deltas: AsyncIterator[Delta], include_usage: bool, out: Output) -> AsyncIterator[str]:
-    last = first
-    builder = LogprobsBuilder(state.tokenizer, shape.chat) if out.logprobs else None
-    echo_text, echo_lp, extra = _prompt_part(state, req, out, first, builder)
+    """SSE chunks: per choice, its opening chunk (chat: the role; completions: echo and prompt
+    logprobs), then its deltas (with tools: one chunk once the choice finished), tagged with
+    the choice's ``index``; then usage and ``[DONE]``."""
+    builders: dict[int, LogprobsBuilder | None] = {}
+    buffered: dict[int, _Choice] = {}   # tools: a choice's deltas until it finishes
+    completion: dict[int, int] = {}
+    prompt_lps = first.prompt_logprobs
+    prompt_tokens = first.prompt_tokens
     try:
         async with aclosing(deltas) as it:
-            if shape.chat:
-                yield sse(shape.chunk("", None, include_usage, role=True, extra=extra))
-            elif echo_text or extra:
-                yield sse(shape.chunk(echo_text, None, include_usage, logprobs=echo_lp, extra=extra))
             d = first
-            if out.tool_names is not None:   # calls or text: known at the end
-                async for chunk in _stream_tools(shape, d, it, builder, include_usage, out.tool_names):
-                    last = chunk if isinstance(chunk, Delta) else last
-                    if isinstance(chunk, str):
-                        yield chunk
-                d = None
             while d is not None:
-                last = d
-                if d.text or d.finish_reason is not None or (builder and d.token_ids):
+                i = d.index
+                prompt_lps = prompt_lps if prompt_lps is not None else d.prompt_logprobs
+                if i not in builders:
+                    builders[i] = LogprobsBuilder(state.tokenizer, shape.chat) if out.logprobs else None
+                    echo_text, echo_lp, extra = _prompt_part(state, req, out, prompt_lps, builders[i])
+                    if shape.chat:
+                        yield sse(shape.chunk("", None, include_usage, role=True, extra=extra, index=i))
+                    elif echo_text or extra:
+                        yield sse(shape.chunk(echo_text, None, include_usage, logprobs=echo_lp, extra=extra, index=i))
+                completion[i] = d.completion_tokens
+                builder = builders[i]
+                if out.tool_names is not None:   # calls or text: known once the choice finished
+                    c = buffered.setdefault(i, _Choice())
+                    c.add(d)
+                    if d.finish_reason is not None:
+                        text, finish, calls = _finish_text(out, "".join(c.parts), c.finish_reason)
+                        lp = builder.build(c.tokens, c.logprobs) if builder else None
+                        yield sse(shape.chunk(text, finish, include_usage, logprobs=lp, tool_calls=calls, index=i))
+                elif d.text or d.finish_reason is not None or (builder and d.token_ids):
                     lp = builder.build(d.token_ids, d.logprobs) if builder else None
                     yield sse(shape.chunk(d.text if (d.text or not shape.chat) else None,
-                                          d.finish_reason, include_usage, logprobs=lp))
-                if d.finish_reason is not None:
-                    break
-                d = await it.__anext__()
+                                          d.finish_reason, include_usage, logprobs=lp, index=i))
+                d = await anext(it, None)
         if include_usage:
-            yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
+            yield sse(shape.usage_chunk(prompt_tokens, sum(completion.values())))
         yield sse("[DONE]")
     except RouterError as exc:
         state.metrics.errors.labels(exc.code or exc.type).inc()

@@ -114,10 +114,11 @@ class WorkerClient:
         return Reservation(tuple(resp.block_ids), resp.slot, resp.generation, time.monotonic() + resp.lease_s)
 
     def decode(self, request_id: str, first_token: int, num_writes: int, sampling: pb.SamplingParams,
-               prompt: Sequence[int], timeout_s: float) -> TokenStream:
+               prompt: Sequence[int], timeout_s: float, first_tokens: Sequence[int] = ()) -> TokenStream:
+        """``first_tokens``: every choice's first token when ``sampling.n`` > 1."""
         call = self._decode.Decode(pb.DecodeRequest(
             request_id=request_id, first_token=first_token, num_writes=num_writes, sampling=sampling,
-            prompt_token_ids=prompt), timeout=timeout_s, metadata=self._md)
+            prompt_token_ids=prompt, first_tokens=first_tokens), timeout=timeout_s, metadata=self._md)
         return TokenStream(call, self.worker_id, "Decode")
 
     def generate(self, request_id: str, prompt: Sequence[int], sampling: pb.SamplingParams,

@@ -83,6 +83,7 @@ class GenerationRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str = ""
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class Delta:
     """A piece of output: new token ids and the text safe to show. The last delta of a request
     has ``finish_reason`` ("stop" | "length"); ``completion_tokens`` counts tokens so far;
     ``logprobs``: one per token of ``token_ids`` when the request asked for logprobs;
-    ``prompt_logprobs`` (first delta only, when asked for): one per prompt token after the first."""
+    ``prompt_logprobs`` (first delta of choice 0, when asked for): one per prompt token after the
+    first; ``index``: the choice (n > 1) it belongs to, ``completion_tokens`` counting that choice's."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -99,6 +101,7 @@ class Delta:
     completion_tokens: int
     logprobs: tuple[pb.TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[pb.TokenLogprobs, ...] | None = None
+    index: int = 0
 
 
 class _Retry(Exception):
@@ -107,15 +110,18 @@ class _Retry(Exception):
 
 @dataclass
 class _Run:
-    """Output state of one request across attempts."""
+    """Output state of one choice of a request across attempts (``failed_workers`` is shared by
+    the request's choices)."""
 
     req: GenerationRequest
     detok: object
     stop_ids: frozenset[int]
+    index: int = 0
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     failed_workers: set[str] = field(default_factory=set)  # tried last on the next attempt
-    prompt_sent: bool = False   # prompt logprobs went out with the first delta
+    prompt_sent: bool = False   # prompt logprobs went out with the first delta (choice 0)
+    reported: bool = False      # the delta with finish_reason went out
 
     def add(self, token: int) -> str:
         self.generated.append(token)
@@ -136,13 +142,15 @@ class _Run:
         if self.req.logprobs is not None and len(logprobs) != len(tokens):
             raise UpstreamError(f"a worker sent {len(logprobs)} logprobs for {len(tokens)} tokens")
         prompt = None
-        if self.req.prompt_logprobs is not None and not self.prompt_sent:
+        if self.req.prompt_logprobs is not None and self.index == 0 and not self.prompt_sent:
             if len(prompt_logprobs or ()) != len(self.req.prompt_token_ids) - 1:
                 raise UpstreamError(f"a worker sent {len(prompt_logprobs or ())} prompt logprobs for a "
                                     f"{len(self.req.prompt_token_ids)}-token prompt")
             prompt, self.prompt_sent = tuple(prompt_logprobs), True
+        self.reported = self.finish_reason is not None
         return Delta(text, tuple(tokens), self.finish_reason, len(self.req.prompt_token_ids),
-                     len(self.generated), tuple(logprobs) if self.req.logprobs is not None else (), prompt)
+                     len(self.generated), tuple(logprobs) if self.req.logprobs is not None else (), prompt,
+                     self.index)
 
 
 class _Holding:
@@ -200,56 +208,79 @@ class Orchestrator:
         request holds."""
         stop_ids = frozenset(req.stop_token_ids) | (
             frozenset() if req.ignore_eos else frozenset(self.tokenizer.stop_token_ids))
-        run = _Run(req, self.tokenizer.detokenizer(req.stop, req.min_tokens), stop_ids)
+        failed: set[str] = set()
+        runs = [_Run(req, self.tokenizer.detokenizer(req.stop, req.min_tokens), stop_ids, index=i,
+                     failed_workers=failed) for i in range(req.n)]
         path = self._path(len(req.prompt_token_ids))
         self.metrics.requests_by_path.labels(path.value).inc()
-        for attempt in range(1, self.config.max_attempts + 1):
+        attempt = failures = 0
+        while True:
+            todo = [r for r in runs if r.finish_reason is None]
+            if not todo:
+                return
+            # n > 1: one attempt forks every choice from one prefill; once a choice has output, an
+            # unfinished choice is resumed alone (prompt + its output, its own seed stream).
+            group = todo if len(todo) == req.n and not any(r.generated for r in todo) else todo[:1]
+            attempt += 1
             rid = req.request_id if attempt == 1 else f"{req.request_id}~{attempt}"
             try:
-                async with aclosing(self._attempt(rid, run, path)) as deltas:
+                async with aclosing(self._attempt(rid, group, path)) as deltas:
                     async for delta in deltas:
                         yield delta
-                return
             except _Retry as exc:
+                failures += 1
                 log.warning("request %s attempt %d failed: %s", rid, attempt, exc)
-                if attempt == self.config.max_attempts:
-                    raise UpstreamError(f"request failed on {attempt} attempts; last: {exc}") from exc
+                if failures >= self.config.max_attempts:
+                    raise UpstreamError(f"request failed on {failures} attempts; last: {exc}") from exc
                 self.metrics.retries.inc()
-                if run.generated:
+                if any(r.generated for r in group):
                     self.metrics.migrations.inc()
-                await asyncio.sleep(0.05 * attempt)
+                await asyncio.sleep(0.05 * failures)
+                continue
+            if any(r.finish_reason is None for r in group):
+                raise UpstreamError(f"the stream of {rid} ended before its choices finished")
 
-    async def _attempt(self, rid: str, run: _Run, path: ServingPath) -> AsyncIterator[Delta]:
-        prompt = list(run.req.prompt_token_ids) + run.generated
-        remaining = run.req.max_tokens - len(run.generated)
-        sampling = self._sampling(run, remaining)
+    async def _attempt(self, rid: str, runs: list[_Run], path: ServingPath) -> AsyncIterator[Delta]:
+        """One placement of ``runs``: every choice of a fresh request (forked from one prefill), or
+        one choice resumed alone."""
+        lead = runs[0]
+        prompt = list(lead.req.prompt_token_ids) + lead.generated
+        remaining = lead.req.max_tokens - len(lead.generated)
+        sampling = self._sampling(runs, remaining)
         hold = _Holding(rid)
         try:
             if path is ServingPath.DISAGGREGATED:
                 await self.admission.acquire(
-                    lambda since: self._place(hold, len(prompt), remaining, run.failed_workers, since))
+                    lambda since: self._place(hold, len(prompt), remaining, lead.failed_workers, since))
                 first = await self._prefill(hold, prompt, sampling)
-                text = run.add(first.first_token)
-                yield run.delta(text, [first.first_token], [first.first_logprobs], first.prompt_logprobs)
-                if run.finish_reason is not None:
+                forked = len(runs) > 1
+                firsts = list(first.first_tokens) if forked else [first.first_token]
+                lps = list(first.first_tokens_logprobs) if forked else [first.first_logprobs]
+                if len(firsts) != len(runs):
+                    raise UpstreamError(f"the prefill worker sent {len(firsts)} first tokens for {len(runs)} choices")
+                for i, (run, token) in enumerate(zip(runs, firsts)):
+                    text = run.add(token)
+                    yield run.delta(text, [token], lps[i:i + 1], first.prompt_logprobs)
+                if all(r.finish_reason is not None for r in runs):
                     return   # the release below frees the reservation (the writer stopped)
                 stream = self._client(hold.decode).decode(rid, first.first_token, first.num_writes, sampling,
-                                                          prompt, self.config.decode_timeout_s)
+                                                          prompt, self.config.decode_timeout_s,
+                                                          firsts if forked else ())
             else:
                 await self.admission.acquire(
-                    lambda since: self._place_colocated(hold, len(prompt), run.failed_workers, since))
+                    lambda since: self._place_colocated(hold, len(prompt), lead.failed_workers, since))
                 stream = self._client(hold.decode).generate(rid, prompt, sampling, self.config.decode_timeout_s)
-            async with aclosing(self._stream(stream, hold, run)) as deltas:
+            async with aclosing(self._stream(stream, hold, runs)) as deltas:
                 async for delta in deltas:
                     yield delta
             hold.done = True
         except WorkerRejected as exc:
             raise InvalidRequest(f"the worker rejected the request: {exc.details}") from exc
         except _Retry:
-            run.failed_workers.update(m.worker_id for m in (hold.decode, hold.prefill) if m)
+            lead.failed_workers.update(m.worker_id for m in (hold.decode, hold.prefill) if m)
             raise
         except WorkerCallError as exc:
-            run.failed_workers.update(m.worker_id for m in (hold.decode, hold.prefill) if m)
+            lead.failed_workers.update(m.worker_id for m in (hold.decode, hold.prefill) if m)
             raise _Retry(str(exc)) from exc
         finally:
             if hold.colocated:
@@ -263,19 +294,21 @@ class Orchestrator:
         pair = c.serving_mode == "auto" and bool(self._decode_candidates())
         return choose_path(c.serving_mode, c.colocated_threshold_tokens, prompt_tokens, pair)
 
-    def _sampling(self, run: _Run, remaining: int) -> pb.SamplingParams:
+    def _sampling(self, runs: list[_Run], remaining: int) -> pb.SamplingParams:
+        run = runs[0]
         r = run.req
         msg = pb.SamplingParams(max_tokens=remaining, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=sorted(run.stop_ids),
                                 ignore_eos=r.ignore_eos, presence_penalty=r.presence_penalty,
                                 frequency_penalty=r.frequency_penalty,
                                 repetition_penalty=r.repetition_penalty, logit_bias=dict(r.logit_bias),
-                                min_tokens=r.min_tokens, num_resumed=len(run.generated), grammar=r.grammar)
+                                min_tokens=r.min_tokens, num_resumed=len(run.generated), grammar=r.grammar,
+                                n=len(runs) if len(runs) > 1 else 0, choice=run.index if len(runs) == 1 else 0)
         if r.seed is not None:
             msg.seed = r.seed
         if r.logprobs is not None:
             msg.logprobs = r.logprobs
-        if r.prompt_logprobs is not None and not run.prompt_sent:
+        if r.prompt_logprobs is not None and run.index == 0 and not run.prompt_sent:
             msg.prompt_logprobs = r.prompt_logprobs
         return msg
 
@@ -362,12 +395,18 @@ class Orchestrator:
         return resp
 
     # -- decode -------------------------------------------------------------------------------
-    async def _stream(self, stream: TokenStream, hold: _Holding, run: _Run) -> AsyncIterator[Delta]:
-        """Deltas of a ``Decode`` or ``Generate`` token stream; a router-side stop cancels the
-        call and releases ``hold``; the call is cancelled if the reader goes away."""
+    async def _stream(self, stream: TokenStream, hold: _Holding, runs: list[_Run]) -> AsyncIterator[Delta]:
+        """Deltas of a ``Decode`` or ``Generate`` token stream (chunk ``index`` i is ``runs[i]``);
+        once every choice finished, a router-side stop (a stop string) cancels the call and
+        releases ``hold``; the call is cancelled if the reader goes away."""
+        ended: set[int] = set()   # choices the worker finished
         try:
             while True:
                 chunk = await stream.read(self.config.decode_stall_s)
+                if not 0 <= chunk.index < len(runs):
+                    raise UpstreamError(f"decode worker {hold.decode.worker_id} sent choice {chunk.index} "
+                                        f"of {len(runs)}")
+                run = runs[chunk.index]
                 tokens, text, logprobs = [], "", []
                 for i, t in enumerate(chunk.token_ids):
                     if run.finish_reason is None:
@@ -381,13 +420,15 @@ class Orchestrator:
                     hold.done = True   # the worker already freed it
                     raise UpstreamError(f"decode worker {hold.decode.worker_id} failed this "
                                         "request's sampling")
-                if chunk.finish_reason and run.finish_reason is None:
-                    run.finish_reason = chunk.finish_reason
-                    text += run.detok.flush()
-                if tokens or run.finish_reason is not None:
+                if chunk.finish_reason:
+                    ended.add(chunk.index)
+                    if run.finish_reason is None:
+                        run.finish_reason = chunk.finish_reason
+                        text += run.detok.flush()
+                if tokens or (run.finish_reason is not None and not run.reported):
                     yield run.delta(text, tokens, logprobs, chunk.prompt_logprobs)
-                if run.finish_reason is not None:
-                    if not chunk.finish_reason:  # a stop string: the worker keeps going otherwise
+                if all(r.finish_reason is not None for r in runs):
+                    if len(ended) < len(runs):  # a stop string: the worker keeps going otherwise
                         stream.cancel()
                         self._spawn(self._release(hold))
                     return

@@ -20,6 +20,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOP_K = 2**31 - 1                # the wire's int32; any k >= the vocabulary disables top-k
 MAX_LOGPROBS = 20                    # top logprobs per token (OpenAI's top_logprobs limit)
+MAX_N = 16                           # choices (n, best_of) per request
 LOGIT_BIAS_LIMIT = 100.0             # OpenAI: bias values in [-100, 100]
 GREEDY_BELOW = 1e-5                  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -43,7 +44,7 @@ class _SamplingFields(_Lenient):
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
@@ -71,7 +72,7 @@ class CompletionRequest(_SamplingFields):
     ids, or a list of one list of token ids."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -174,8 +175,8 @@ def validate_sampling(req: _SamplingFields) -> None:
     NaN and infinities fail every range check (JSON's ``NaN``/``Infinity`` are accepted by the
     parser). A temperature below `GREEDY_BELOW` is valid and means greedy (`effective_temperature`).
     """
-    if req.n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise InvalidRequest(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise InvalidRequest(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
@@ -205,8 +206,11 @@ def validate_sampling(req: _SamplingFields) -> None:
             raise InvalidRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
         check_unicode(s, "stop")
     if isinstance(req, CompletionRequest):
-        if req.best_of not in (None, 1):
-            raise InvalidRequest("only best_of=1 is supported", param="best_of")
+        n = req.n or 1
+        if req.best_of is not None and not n <= req.best_of <= MAX_N:
+            raise InvalidRequest(f"best_of must be in [n, {MAX_N}] (n = {n}), got {req.best_of}", param="best_of")
+        if req.best_of is not None and req.best_of > n and req.stream:
+            raise InvalidRequest("best_of > n cannot be streamed", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
                                  param="logprobs")
@@ -242,6 +246,14 @@ def prompt_logprobs_k(req: _SamplingFields) -> int | None:
         ks.append(req.logprobs)
     ks = [k for k in ks if k is not None]
     return max(ks) if ks else None
+
+
+def choice_counts(req: _SamplingFields) -> tuple[int, int]:
+    """(choices returned, sequences generated): ``n``, and completions' ``best_of`` (the n with
+    the highest cumulative logprob are returned)."""
+    n = req.n or 1
+    best_of = getattr(req, "best_of", None) or n
+    return n, best_of
 
 
 def requested_logprobs(req: _SamplingFields) -> int | None:

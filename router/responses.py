@@ -26,25 +26,29 @@ class Shape:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def full(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
-             logprobs: dict | None = None, extra: dict | None = None,
-             tool_calls: list[dict] | None = None) -> dict:
+    def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+               extra: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+        """One choice of a whole response."""
         if self.chat:
             message = {"role": "assistant", "content": text}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         choice.update(extra or {})
+        return choice
+
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        """A whole response; ``completion_tokens`` counts every choice's."""
         body = self._head("chat.completion" if self.chat else "text_completion")
-        body["choices"] = [choice]
+        body["choices"] = choices
         body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None, include_usage: bool,
               role: bool = False, logprobs: dict | None = None, extra: dict | None = None,
-              tool_calls: list[dict] | None = None) -> dict:
+              tool_calls: list[dict] | None = None, index: int = 0) -> dict:
         if self.chat:
             delta: dict = {}
             if role:
@@ -53,9 +57,9 @@ class Shape:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         choice.update(extra or {})
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = [choice]

@@ -19,7 +19,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         min_tokens=int(msg.min_tokens),
         logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
         prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
-        grammar=msg.grammar, num_resumed=int(msg.num_resumed))
+        grammar=msg.grammar, n=max(1, int(msg.n)), choice=int(msg.choice), num_resumed=int(msg.num_resumed))
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -27,7 +27,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
                             top_k=p.top_k, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
                             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                             repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
-                            min_tokens=p.min_tokens, grammar=p.grammar, num_resumed=p.num_resumed)
+                            min_tokens=p.min_tokens, grammar=p.grammar, n=p.n, choice=p.choice, num_resumed=p.num_resumed)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

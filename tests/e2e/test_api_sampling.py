@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.conftest import assert_pools_full, openai_client, start_cluster, stop_cluster
+from tests.e2e.conftest import assert_pools_full, openai_client, start_cluster, stop_cluster, worker_stats
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -235,6 +235,49 @@ def test_logit_bias_min_tokens_and_stop_token_ids(cluster, tokenizer, reference)
     assert_pools_full(cluster)
 
 
+def _kv_bytes_sent(cluster) -> float:
+    return sum(s.counters.get("kv_bytes_sent", 0.0) for role, s in worker_stats(cluster).values() if role == "prefill")
+
+
+def test_n_choices_share_one_prefill_and_equal_separate_seeded_requests(cluster, tokenizer, engine_run):
+    """n = 3: one prefill (the prompt's KV crosses once), the decode worker forks; choice i is
+    what the engine gives a lone request with choice i's seed stream (what a retried choice
+    resumes with); streamed chunks carry the index; usage counts every choice."""
+    from engine.sampling import SamplingParams, child_params
+
+    prompt_text = "Write one sentence about the ocean:"
+    prompt = tokenizer.encode(prompt_text)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3)
+    want = [engine_run(prompt, child_params(params, i)) for i in range(3)]
+    assert len({w.text for w in want}) == 3
+    client = openai_client(cluster)
+    before = _kv_bytes_sent(cluster)
+    r = client.completions.create(model=MODEL, prompt=prompt_text, max_tokens=16, temperature=1.0, seed=7, n=3)
+    one_request = _kv_bytes_sent(cluster) - before
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w.text for w in want]
+    assert r.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    if cluster.config.num_prefill:   # disaggregated: the KV of an n = 1 request, once
+        before = _kv_bytes_sent(cluster)
+        client.completions.create(model=MODEL, prompt=prompt_text, max_tokens=16, temperature=1.0, seed=7)
+        assert one_request == _kv_bytes_sent(cluster) - before > 0
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompt_text, max_tokens=16, temperature=1.0,
+                                           seed=7, n=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == [w.text for w in want]
+    # best_of: the n of best_of with the highest cumulative logprob
+    scored = [engine_run(prompt, child_params(SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3,
+                                                             logprobs=0), i)) for i in range(3)]
+    assert [s.text for s in scored] == [w.text for w in want]
+    best = client.completions.create(model=MODEL, prompt=prompt_text, max_tokens=16, temperature=1.0, seed=7,
+                                     n=1, best_of=3)
+    assert len(best.choices) == 1 and best.choices[0].text in {w.text for w in want}
+    assert best.usage.completion_tokens == r.usage.completion_tokens
+    assert_pools_full(cluster)
+
+
 def test_tokenize_detokenize_and_models(cluster, tokenizer):
     ids = _tokenize(cluster, prompt="Hello, world")
     assert ids == tokenizer.encode("Hello, world")
@@ -262,7 +305,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": QUESTION, "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3, "stream": True}, "best_of"),
     ("/tokenize", {"prompt": "hi", "messages": QUESTION}, "prompt"),
     ("/detokenize", {"tokens": [10**7]}, "tokens"),
 ]

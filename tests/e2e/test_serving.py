@@ -134,7 +134,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": -1}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 30}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 2147483648}, 400),        # was a 500
     ("/v1/completions", b'{"model": "SmolLM2-135M-Instruct", "prompt": "\\ud800"}', 400),  # was a 500
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400),

@@ -123,7 +123,7 @@ def test_add_prefilled_continues_exactly_like_a_local_prefill(gen, smollm):
     blocks = gen.pool.allocator.allocate(blocks_needed(len(prompt), 16))
     logits = smollm.model.forward(ForwardBatch.build([SeqChunk(prompt, 0, blocks)], 16), gen.pool)
     first = int(logits[0].argmax())
-    assert gen.add_prefilled("p", prompt, first, blocks, params) is None
+    assert gen.add_prefilled("p", prompt, first, blocks, params) == []
     tokens = [first]
     while gen.has_unfinished():
         for out in gen.step():
@@ -131,9 +131,57 @@ def test_add_prefilled_continues_exactly_like_a_local_prefill(gen, smollm):
     assert tokens == local.token_ids
     assert gen.num_free_blocks == 128
     blocks = gen.pool.allocator.allocate(blocks_needed(len(prompt), 16))
-    done = gen.add_prefilled("q", prompt, 2, blocks, SamplingParams(max_tokens=5, temperature=0))
-    assert done is not None and done.finish_reason == FinishReason.STOP
+    [done] = gen.add_prefilled("q", prompt, 2, blocks, SamplingParams(max_tokens=5, temperature=0))
+    assert done.finish_reason == FinishReason.STOP and done.request_finished
     assert gen.num_free_blocks == 128
+
+
+def _run_choices(gen) -> dict[tuple[str, int], list[int]]:
+    out: dict = {}
+    while gen.has_unfinished():
+        for o in gen.step():
+            out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("prompt_len", [32, 37])   # a full last block, and a partial one (copied)
+def test_n_choices_fork_after_one_prefill_and_equal_separate_requests(gen, smollm, prompt_len):
+    """n = 3 seeded: the prompt is computed once, the sequence forks at its first token (shared
+    full blocks, a copy of the partial one), and choice i gives what a separate n = 1 request with
+    `child_params`(i) gives (what a retried choice resumes with); via add_prefilled too."""
+    from engine.attention import ForwardBatch, SeqChunk
+    from engine.kv_cache import blocks_needed
+    from engine.sampling import child_params
+
+    prompt = (_chat(smollm, "Tell me a short story about a fox and a crow.") * 3)[:prompt_len]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=42, n=3, ignore_eos=True)
+    gen.add_request("fork", prompt, params)
+    forked = _run_choices(gen)
+    assert gen.num_free_blocks == 128
+    alone = {}
+    for i in range(3):
+        gen.add_request(f"alone{i}", prompt, child_params(params, i))
+        alone[i] = _run_choices(gen)[(f"alone{i}", 0)]
+    assert [forked[("fork", i)] for i in range(3)] == [alone[i] for i in range(3)]
+    assert len({tuple(t) for t in alone.values()}) == 3   # the choices differ
+    # the decode worker's entry: prompt KV written elsewhere, one first token per choice
+    blocks = gen.pool.allocator.allocate(blocks_needed(len(prompt), 16))
+    smollm.model.forward(ForwardBatch.build([SeqChunk(prompt, 0, blocks)], 16), gen.pool)
+    firsts = [alone[i][0] for i in range(3)]
+    assert gen.add_prefilled("pre", prompt, firsts, blocks, params) == []
+    got = _run_choices(gen)
+    assert [firsts[i:i + 1] + got[("pre", i)] for i in range(3)] == [alone[i] for i in range(3)]
+    assert gen.num_free_blocks == 128
+
+
+def test_abort_of_an_n_request_stops_every_choice(gen, smollm):
+    prompt = _chat(smollm, "Count to twenty.")
+    gen.add_request("many", prompt, SamplingParams(max_tokens=30, temperature=0.7, n=4, ignore_eos=True))
+    for _ in range(3):
+        gen.step()
+    out = gen.abort("many/2")   # any choice's id stops the request
+    assert out is not None and out.request_finished and out.finish_reason == FinishReason.ABORT
+    assert not gen.has_unfinished() and gen.num_free_blocks == 128
 
 
 def test_decoding_goes_on_while_a_long_prompt_prefills_in_chunks(smollm):

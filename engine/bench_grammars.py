@@ -1,7 +1,7 @@
 """llguidance vs xgrammar on this model's tokenizer: what choosing the structured-output library
 rests on (`engine.grammar` says which one pdserve uses and why).
 
-    python -m loadtest.grammars [--model PATH] [--out grammars.json]
+    python -m engine.bench_grammars [--model PATH] [--out grammars.json]
 
 For each grammar (JSON schemas of growing size, a regex, a choice) and each library: the time to
 build its tokenizer view (once per process), to compile the grammar, and to compute the
@@ -35,6 +35,8 @@ CASES = {
          "role": "engineer"}),
 }
 REGEX = (r"\d{4}-\d{2}-\d{2}", "1969-07-20")
+# The JSON layout pdserve generates (router.structured.JSON_LAYOUT; the router is not imported here).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CHOICE = (["yes", "no", "maybe"], "maybe")
 
 
@@ -64,8 +66,6 @@ def _walk(fill, allowed_bit, consume, ids: list[int]) -> tuple[list[float], bool
 def bench_llguidance(tk, cases: dict) -> dict:
     import llguidance
     import llguidance.torch as lgt
-
-    from router.structured import JSON_LAYOUT
 
     t0 = time.perf_counter()
     lltok = llguidance.LLTokenizer(tk.backend.to_str(), n_vocab=tk.vocab_size, eos_token=tk.eos_token_id)
