@@ -117,11 +117,14 @@ class SchedulerConfig:
             most this many prompt tokens (chunked prefill, as vLLM's V1 scheduler and Sarathi-Serve
             do), so a burst of prompts delays each decode step by one such chunk instead of
             stalling decode until every prompt is computed.
+        prefix_caching: reuse the K/V of full blocks an earlier sequence computed for the same
+            leading tokens (`engine.kv_cache`, "Prefix caching"); only the rest is computed.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_while_decoding: int = 512
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -28,7 +28,7 @@ from engine.config import SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from engine.grammar import Grammars
 from engine.ids import BlockId, RequestId
-from engine.kv_cache import KVPool, blocks_needed
+from engine.kv_cache import KVPool, block_hashes, blocks_needed
 from engine.model import LlamaModel
 from engine.sampling import (SamplingError, SamplingParams, TokenLogprobs, child_params, compute_logprobs,
                              prompt_logprobs_of, sample)
@@ -271,6 +271,8 @@ class Generator:
             if budget <= 0 or len(self.running) + len(scheduled) >= self.config.max_num_seqs:
                 break
             tokens = seq.all_token_ids
+            if self.config.prefix_caching and seq.num_computed == 0 and not seq.block_table:
+                self._reuse_prefix(seq, tokens)
             take = min(len(tokens) - seq.num_computed, budget)
             end = seq.num_computed + take
             if not self._grow(seq, end + (1 if end == len(tokens) else 0)):
@@ -285,6 +287,32 @@ class Generator:
             if not done:
                 break  # a chunked prompt takes the rest of this step's budget
         return scheduled
+
+    def _reuse_prefix(self, seq: Sequence, tokens: list[int]) -> None:
+        """Take the cached blocks of ``tokens``' longest cached prefix (at least one token is
+        left to compute: its logits pick the next token). Prompt logprobs need every position's
+        logits: such a sequence computes everything."""
+        if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
+            return
+        seq.block_hashes = block_hashes(tokens[:len(tokens) - 1], self.pool.block_size)
+        hit = self.pool.allocator.lookup(seq.block_hashes)
+        seq.block_table = list(hit)
+        seq.num_computed = len(hit) * self.pool.block_size
+        seq.num_registered = len(hit)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` whose positions are all computed (their K/V final)."""
+        bs = self.pool.block_size
+        full = min(seq.num_computed // bs, len(seq.block_table))
+        if full <= seq.num_registered:
+            return
+        if len(seq.block_hashes) < full:
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            seq.block_hashes += block_hashes(seq.all_token_ids[:full * bs], bs, start=len(seq.block_hashes),
+                                             parent=parent)
+        for i in range(seq.num_registered, full):
+            self.pool.allocator.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered = full
 
     def _schedule_decode(self) -> list[tuple[Sequence, SeqChunk]]:
         for seq in list(self.running):
@@ -307,6 +335,8 @@ class Generator:
         self.running.remove(seq)
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
+        seq.block_hashes = []
+        seq.num_registered = 0
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -321,6 +351,8 @@ class Generator:
         logits = batch.sampling_logits(logits)
         for seq, chunk in scheduled:
             seq.num_computed += len(chunk.token_ids)
+            if self.config.prefix_caching:
+                self._register_full_blocks(seq)
         outputs = []
         sampled_seqs, rows = [], []
         for row, seq in enumerate(s for s, c in scheduled if c.need_logits):

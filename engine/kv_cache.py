@@ -10,12 +10,22 @@ Ownership: the allocator hands out `BlockId`s with a reference count of one; `Bl
 drops one reference and returns the block to the free list at zero. The allocator knows nothing
 about transfers: callers that let a remote peer write into blocks must keep them allocated until
 the writer is known to have stopped.
+
+Prefix caching (vLLM's automatic prefix caching, at block granularity): a full block whose K/V
+are final can be `BlockAllocator.register`-ed under the chained hash of the tokens it holds and
+of every token before it (`block_hashes`). When its last reference goes, a registered block is
+not wiped: it waits in an LRU of cached blocks, still counted as free, and `lookup` hands it
+(with a new reference) to a later request whose prompt starts with the same tokens. Allocation
+takes never-registered blocks first, then evicts the least recently used cached block. A block
+is registered only once its owner will never write it again (all its positions computed), and a
+block is handed out by `lookup` only while registered, so a shared block is never written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Iterable, Sequence
 
 import torch
@@ -40,13 +50,23 @@ class BlockAllocator:
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._lock = threading.Lock()
+        self._cached: OrderedDict[int, bytes] = OrderedDict()   # unreferenced registered blocks (LRU)
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self.stats = {"prefix_hit_blocks": 0, "prefix_lookup_blocks": 0, "cache_evictions": 0}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: never-registered ones plus cached (evictable) ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks still holding a registered prefix."""
+        return len(self._cached)
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self.num_free
 
     def allocate(self, n: int) -> list[BlockId]:
         """Take ``n`` free blocks, each with reference count 1.
@@ -65,9 +85,17 @@ class BlockAllocator:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         with self._lock:
-            if n > len(self._free):
+            if n > len(self._free) + len(self._cached):
                 return None
-            blocks = [self._free.popleft() for _ in range(n)]
+            blocks = []
+            for _ in range(n):
+                if self._free:
+                    blocks.append(self._free.popleft())
+                else:   # evict the least recently used cached block
+                    b, h = self._cached.popitem(last=False)
+                    del self._by_hash[h], self._hash_of[b]
+                    self.stats["cache_evictions"] += 1
+                    blocks.append(b)
             for b in blocks:
                 self._refs[b] = 1
         return [BlockId(b) for b in blocks]
@@ -88,11 +116,56 @@ class BlockAllocator:
                     raise ValueError(f"double free of block {b}")
                 self._refs[b] -= 1
                 if self._refs[b] == 0:
-                    self._free.append(b)
+                    if b in self._hash_of:
+                        self._cached[b] = self._hash_of[b]
+                    else:
+                        self._free.append(b)
 
     def ref_count(self, block: BlockId) -> int:
         return self._refs[block]
 
+    def register(self, block: BlockId, block_hash: bytes) -> None:
+        """Record that ``block`` (referenced, its K/V final) holds the prefix ``block_hash``; a
+        hash already held by another block is left as it is."""
+        with self._lock:
+            if self._refs[block] <= 0:
+                raise ValueError(f"block {block} is not allocated")
+            if block_hash not in self._by_hash and block not in self._hash_of:
+                self._by_hash[block_hash] = block
+                self._hash_of[block] = block_hash
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[BlockId]:
+        """The blocks holding the longest cached prefix of ``hashes`` (chained block hashes, in
+        order), each with a reference taken for the caller."""
+        out: list[BlockId] = []
+        with self._lock:
+            self.stats["prefix_lookup_blocks"] += len(hashes)
+            for h in hashes:
+                b = self._by_hash.get(h)
+                if b is None:
+                    break
+                if self._refs[b] == 0:
+                    del self._cached[b]
+                self._refs[b] += 1
+                out.append(BlockId(b))
+            self.stats["prefix_hit_blocks"] += len(out)
+        return out
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = b"",
+                 salt: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids`` from block ``start`` on: block i's hash
+    covers its tokens, ``salt`` (what else shapes its K/V) and the hash of block i - 1
+    (``parent`` for block ``start``), so equal hashes mean equal prefixes. BLAKE2b, 16 bytes:
+    stable across processes (for routers comparing workers' caches)."""
+    out = []
+    prev = parent
+    for i in range(start, len(token_ids) // block_size):
+        h = hashlib.blake2b(prev, digest_size=16, key=salt[:64])
+        h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids[i * block_size:(i + 1) * block_size]))
+        prev = h.digest()
+        out.append(prev)
+    return out
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""

@@ -54,6 +54,8 @@ class Sequence:
     text: str = ""
     prompt_logprobs: list | None = None   # `TokenLogprobs` gathered over the prompt's chunks
     matcher: object | None = None         # `engine.grammar.Matcher` when params.grammar is set
+    block_hashes: list = field(default_factory=list)   # prefix caching: hashes of the full blocks
+    num_registered: int = 0               # leading blocks registered in the prefix cache
     parent: RequestId | None = None       # the request (n > 1: one of its choices); None: itself
     index: int = 0                        # choice index within the request
 

@@ -90,6 +90,8 @@ class PrefillJob:
     first_tokens: list[int] = field(default_factory=list)
     first_tokens_logprobs: list[TokenLogprobs] = field(default_factory=list)
     matcher: object | None = None     # `engine.grammar.Matcher` when params.grammar is set
+    block_hashes: list = field(default_factory=list)   # prefix caching: the prompt's full blocks
+    num_registered: int = 0           # leading blocks registered in the prefix cache
     num_writes: int = 0
     bytes_posted: int = 0
     handles: list[WriteHandle] = field(default_factory=list)

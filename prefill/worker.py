@@ -41,7 +41,7 @@ import torch
 from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
-from engine.kv_cache import blocks_needed
+from engine.kv_cache import block_hashes, blocks_needed
 from engine.grammar import Grammars
 from engine.sampling import (Row, SamplingError, SamplingParams, child_params, compute_logprobs,
                              prompt_logprobs_of, sample)
@@ -83,7 +83,7 @@ class PrefillWorker:
         self._draining = False
         self._stop = threading.Event()
         self.metrics = {"prefills_completed": 0, "prefills_failed": 0, "prefills_aborted": 0,
-                        "kv_bytes_sent": 0, "prompt_tokens": 0}
+                        "kv_bytes_sent": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
         self.watches = (LoopWatch("prefill-loop"), LoopWatch("prefill-sender", stall_s=float("inf")))
         tok = res.loaded.tokenizer
         self.grammars = Grammars(tok, tok.stop_token_ids) if tok is not None else None
@@ -259,10 +259,8 @@ class PrefillWorker:
             if budget <= 0:
                 break
             if not job.src_blocks:
-                need = blocks_needed(len(job.token_ids), self.res.pool.block_size)
-                if not self.res.pool.allocator.can_allocate(need):
+                if not self._take_blocks(job):
                     break
-                job.src_blocks = self.res.pool.allocator.allocate(need)
                 job.move(JobState.COMPUTING)
             take = min(len(job.token_ids) - job.num_computed, budget)
             end = job.num_computed + take
@@ -274,6 +272,33 @@ class PrefillWorker:
             if not last:
                 break
         return batch
+
+    def _take_blocks(self, job: PrefillJob) -> bool:
+        """Give ``job`` its local blocks: with prefix caching, the cached blocks of its longest
+        cached prefix (not computed again; at least the last token is) and fresh ones for the
+        rest. False (nothing taken) when the pool cannot hold it now."""
+        alloc, bs = self.res.pool.allocator, self.res.pool.block_size
+        need = blocks_needed(len(job.token_ids), bs)
+        hit = []
+        if self.res.config.prefix_caching and job.params.prompt_logprobs is None:
+            job.block_hashes = block_hashes(job.token_ids[:len(job.token_ids) - 1], bs)
+            hit = alloc.lookup(job.block_hashes)
+        rest = alloc.try_allocate(need - len(hit))
+        if rest is None:
+            alloc.free(hit)
+            return False
+        job.src_blocks = hit + rest
+        job.num_computed = len(hit) * bs
+        job.num_registered = len(hit)
+        self.metrics["prefix_hit_tokens"] += len(hit) * bs
+        return True
+
+    def _register_full_blocks(self, job: PrefillJob) -> None:
+        """Prefix caching: register the job's blocks whose positions are all computed."""
+        full = min(job.num_computed // self.res.pool.block_size, len(job.block_hashes))
+        for i in range(job.num_registered, full):
+            self.res.pool.allocator.register(job.src_blocks[i], job.block_hashes[i])
+        job.num_registered = max(job.num_registered, full)
 
     def _loop(self) -> None:
         watch = self.watches[0]
@@ -359,6 +384,8 @@ class PrefillWorker:
             for job, chunk in batch:
                 job.num_computed += len(chunk.token_ids)
                 job.compute_seconds += elapsed
+                if self.res.config.prefix_caching and not job.stopped:
+                    self._register_full_blocks(job)
             for job, token, lp, choice in zip(finishing, tokens, logprobs, choices):
                 if isinstance(token, SamplingError):
                     job.fail(PrefillError(f"sampling the first token failed: {token}"))

@@ -39,6 +39,8 @@ class WorkerConfig:
             requests whose KV arrived beyond it wait, their blocks held, for a place.
         max_num_batched_tokens: prefill: most prompt tokens per forward pass (longer prompts are
             chunked).
+        prefix_caching: prefill: reuse the K/V of full blocks computed for the same leading tokens
+            by earlier prompts (only the rest is computed; every block is still sent).
         threads: torch threads of this process.
         transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
         transfer_port: port of the data-plane listener (0: ephemeral).
@@ -68,6 +70,7 @@ class WorkerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    prefix_caching: bool = False
     threads: int = 1
     transfer_engine: str = "auto"
     transfer_port: int = 0
@@ -142,6 +145,9 @@ class WorkerConfig:
             if f.name in ("role", "secret"):
                 continue
             flag = "--" + f.name.replace("_", "-")
+            if str(f.type) == "bool":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, dest=f.name)
+                continue
             kind = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default, dest=f.name)
         parser.add_argument("--secret-file", default=None,

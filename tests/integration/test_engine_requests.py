@@ -225,3 +225,33 @@ def test_decoding_goes_on_while_a_long_prompt_prefills_in_chunks(smollm):
     assert steps_while_long_waits >= len(prompts["long"]) // 64 - 1   # the prompt went in 64-token chunks
     assert g.num_free_blocks == 128
     assert tokens == {name: alone(ids) for name, ids in prompts.items()}
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_greedy_output(smollm):
+    """With prefix caching, a repeated prompt and a second turn (first turn + its answer + a new
+    question) compute only what is not cached, and greedy tokens equal those without caching;
+    every block is free again (cached ones count as free)."""
+    tk = smollm.tokenizer
+
+    def make(caching: bool) -> Generator:
+        pool = KVPool(smollm.config, CacheConfig(block_size=16, num_blocks=96))
+        return Generator(smollm.model, pool, tk, SchedulerConfig(max_num_batched_tokens=64, prefix_caching=caching))
+
+    turn1 = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    results = {}
+    for caching in (False, True):
+        gen = make(caching)
+        p1 = tk.encode(tk.apply_chat_template(turn1))
+        [a] = gen.generate([p1], params)
+        [again] = gen.generate([p1], params)
+        turn2 = turn1 + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "And at sunset?"}]
+        p2 = tk.encode(tk.apply_chat_template(turn2))
+        [b] = gen.generate([p2], params)
+        results[caching] = (a.token_ids, again.token_ids, b.token_ids, dict(gen.pool.allocator.stats))
+        assert gen.num_free_blocks == 96
+    assert results[True][:3] == results[False][:3]
+    stats = results[True][3]
+    full_p1 = (len(p1) - 1) // 16
+    assert stats["prefix_hit_blocks"] >= full_p1 + (len(p1) + 16) // 16 - 1   # the repeat + turn 2
+    assert results[False][3]["prefix_hit_blocks"] == 0
