@@ -8,6 +8,11 @@ Accepted forms (one per request; two at once is a 400):
   list of strings), ``guided_grammar`` (Lark, or GBNF when it contains ``::=``), and the newer
   ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}``.
 
+Objects of a schema that lists ``properties`` and says nothing of ``additionalProperties`` get
+``additionalProperties: false`` (xgrammar's strict mode, vLLM's default; what OpenAI's strict
+schemas require): otherwise a small model invents keys until it runs out of tokens. Say
+``"additionalProperties": true`` to allow them.
+
 JSON is generated in ``json.dumps``' default layout (``", "`` between items, ``": "`` after
 keys, no other whitespace): the layout most JSON in training text has, and no room for a
 whitespace loop. The grammar is validated here (an invalid schema, regex or grammar is a 400
@@ -25,6 +30,31 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 MAX_CHOICES = 1024
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_ONE = ("items", "not", "if", "then", "else", "additionalProperties", "contains")
+
+
+def strict_objects(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema that lists ``properties`` and does not say
+    ``additionalProperties`` gets ``additionalProperties: false``."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_objects(s) for k, s in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_objects(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema: Any, param: str) -> str:
     """The grammar of JSON matching ``schema`` (a dict, or its JSON text). Raises `InvalidRequest`."""
     import llguidance
@@ -37,7 +67,7 @@ def json_schema_grammar(schema: Any, param: str) -> str:
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON schema object", param=param)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema(strict_objects(schema), defaults=JSON_LAYOUT)
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"{param}: {exc}", param=param) from exc
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.errors import InvalidRequest
-from router.structured import JSON_LAYOUT
+from router.structured import JSON_LAYOUT, strict_objects
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -90,7 +90,8 @@ def _calls_grammar(functions: list[dict], one: bool) -> str:
     """Lark (llguidance) grammar of one call, or of one or more, of ``functions``."""
     import llguidance
 
-    variants = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+    variants = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                  "arguments": strict_objects(f["parameters"])},
                  "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {"anyOf": variants} if len(variants) > 1 else variants[0]
     schema = {**schema, "x-guidance": JSON_LAYOUT}

@@ -198,3 +198,19 @@ def test_valid_request_without_workers_is_503(client, stream):
 
 def test_unknown_route_is_an_openai_404(client):
     assert_error(client.get("/v1/nothing"), 404)
+
+
+def test_schemas_get_strict_objects_unless_they_say_otherwise():
+    from router.structured import strict_objects
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"properties": {"d": {}}}},
+                                               "e": {"type": "object"}},
+              "$defs": {"x": {"properties": {}, "additionalProperties": True}}}
+    got = strict_objects(schema)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["a"]["additionalProperties"] is False
+    assert got["properties"]["c"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in got["properties"]["e"]      # a free-form object stays free
+    assert got["$defs"]["x"]["additionalProperties"] is True        # said explicitly: kept
+    assert "additionalProperties" not in schema                       # the input is not changed
