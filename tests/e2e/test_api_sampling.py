@@ -204,9 +204,12 @@ def test_penalties_equal_the_engine(cluster, tokenizer, engine_run, controls):
     plain = engine_run(prompt, SamplingParams(max_tokens=20, temperature=0))
     want = engine_run(prompt, SamplingParams(max_tokens=20, temperature=0, **controls))
     assert want.token_ids != plain.token_ids   # the control changes this output
-    r = openai_client(cluster).completions.create(model=MODEL, prompt=prompt_text, max_tokens=20,
-                                                  temperature=0, extra_body=controls)
+    client = openai_client(cluster)
+    r = client.completions.create(model=MODEL, prompt=prompt_text, max_tokens=20, temperature=0, extra_body=controls)
     assert r.choices[0].text == want.text
+    chunks = client.completions.create(model=MODEL, prompt=prompt_text, max_tokens=20, temperature=0, stream=True,
+                                       extra_body=controls)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
 
 
 def test_logit_bias_min_tokens_and_stop_token_ids(cluster, tokenizer, reference):
@@ -232,6 +235,14 @@ def test_logit_bias_min_tokens_and_stop_token_ids(cluster, tokenizer, reference)
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == first + 1
     assert r.choices[0].text == tokenizer.decode(want.token_ids[:first])
+    streamed = list(client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, temperature=0, stream=True, logit_bias={str(forced): 100},
+        extra_body={"stop_token_ids": [forced], "min_tokens": 3}, stream_options={"include_usage": True}))
+    # the forced token is also a stop token: min_tokens masks it for 3 tokens, then the bias makes it
+    # the 4th, which ends the output
+    assert "banana" not in "".join(c.choices[0].text for c in streamed if c.choices)
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
+    assert streamed[-1].usage.completion_tokens == 4
     assert_pools_full(cluster)
 
 
