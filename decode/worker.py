@@ -44,7 +44,7 @@ from typing import Protocol
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import Generator, StepOutput, validate_request
-from engine.grammar import Grammars
+from engine.grammar import Grammars, matcher_for
 from engine.ids import BlockId
 from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
@@ -247,12 +247,8 @@ class DecodeWorker:
         if not 0 <= num_writes <= MAX_WRITES_PER_REQUEST:
             raise InvalidRequestError(f"num_writes {num_writes} out of range")
         validate_request(prompt_token_ids, params, self._model.max_position, vocab)
-        if params.grammar:   # compiles it now (cached), so joining the batch later cannot fail
-            if self.gen.grammars is None:
-                raise InvalidRequestError("structured outputs need the model's tokenizer")
-            resumed = prompt_token_ids[len(prompt_token_ids) - params.num_resumed:] if params.num_resumed else []
-            for t in firsts:
-                self.gen.grammars.matcher(params.grammar, [*resumed, t] if t not in params.stop_token_ids else resumed)
+        for t in firsts:   # compiles the grammar now (cached), so joining the batch later cannot fail
+            matcher_for(self.gen.grammars, params, prompt_token_ids, [t] if t not in params.stop_token_ids else [])
         with self._state:
             r = self._reservations.get(request_id)
             if r is None or r.state != ResState.RESERVED:

@@ -26,7 +26,7 @@ import torch
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from engine.grammar import Grammars
+from engine.grammar import Grammars, matcher_for
 from engine.ids import BlockId, RequestId
 from engine.kv_cache import KVPool, block_hashes, blocks_needed
 from engine.model import LlamaModel
@@ -225,11 +225,7 @@ class Generator:
         validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
         seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator())
-        if params.grammar:
-            if self.grammars is None:
-                raise InvalidRequestError("structured outputs need the model's tokenizer")
-            resumed = prompt_token_ids[len(prompt_token_ids) - params.num_resumed:] if params.num_resumed else ()
-            seq.matcher = self.grammars.matcher(params.grammar, resumed)
+        seq.matcher = matcher_for(self.grammars, params, prompt_token_ids)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.detokenizer(params.stop, params.min_tokens - params.num_resumed)
         return seq

@@ -26,6 +26,8 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
+import llguidance
+import llguidance.torch as lgt
 import torch
 
 from engine.errors import InvalidRequestError
@@ -49,8 +51,6 @@ class Matcher:
 
     def allowed(self) -> torch.Tensor:
         """``[vocab]`` bool: the tokens the grammar allows next (all False in an error state)."""
-        import llguidance.torch as lgt
-
         lgt.fill_next_token_bitmask(self._m, self._mask)
         bits = (self._mask[0, :, None] >> _SHIFTS) & 1
         return bits.flatten()[:self._vocab].bool()
@@ -89,8 +89,6 @@ class Grammars:
         self._lock = threading.Lock()
 
     def _llguidance_tokenizer(self):
-        import llguidance
-
         if self._lltok is None:
             self._lltok = llguidance.LLTokenizer(self._tokenizer.backend.to_str(),
                                                  n_vocab=self._tokenizer.vocab_size, eos_token=self._stops)
@@ -103,8 +101,6 @@ class Grammars:
         Raises:
             InvalidRequestError: the grammar does not compile, or rejects ``consumed``.
         """
-        import llguidance
-
         with self._lock:
             template = self._templates.get(grammar)
             if template is None:
@@ -120,3 +116,21 @@ class Grammars:
         if not m.consume(consumed):
             raise InvalidRequestError(f"the grammar rejects the resumed output: {m.error}")
         return m
+
+
+def matcher_for(grammars: Grammars | None, params, prompt_token_ids: Sequence[int],
+                then: Sequence[int] = ()) -> Matcher | None:
+    """The matcher of a sequence with ``params`` (an `engine.sampling.SamplingParams`): None
+    without a grammar; else one that consumed the resumed output at the end of the prompt
+    (``params.num_resumed`` tokens) and then ``then``.
+
+    Raises:
+        InvalidRequestError: a grammar but no ``grammars`` (no tokenizer), a grammar that does not
+            compile, or tokens it rejects.
+    """
+    if not params.grammar:
+        return None
+    if grammars is None:
+        raise InvalidRequestError("structured outputs need the model's tokenizer")
+    resumed = list(prompt_token_ids[len(prompt_token_ids) - params.num_resumed:]) if params.num_resumed else []
+    return grammars.matcher(params.grammar, resumed + list(then))

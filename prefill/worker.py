@@ -42,7 +42,7 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
 from engine.kv_cache import block_hashes, blocks_needed
-from engine.grammar import Grammars
+from engine.grammar import Grammars, matcher_for
 from engine.sampling import (Row, SamplingError, SamplingParams, child_params, compute_logprobs,
                              prompt_logprobs_of, sample)
 from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, pack_immediate,
@@ -149,11 +149,7 @@ class PrefillWorker:
             lease = min(lease, write_deadline_s)
         job = PrefillJob(request_id, list(token_ids), params, peer, list(dst_blocks), slot, generation,
                          time.monotonic() + lease)
-        if params.grammar:
-            if self.grammars is None:
-                raise InvalidRequestError("structured outputs need the model's tokenizer")
-            resumed = token_ids[len(token_ids) - params.num_resumed:] if params.num_resumed else ()
-            job.matcher = self.grammars.matcher(params.grammar, resumed)
+        job.matcher = matcher_for(self.grammars, params, token_ids)
         with self._lock:
             if self._draining:
                 raise DrainingError("prefill worker is draining")
