@@ -69,7 +69,8 @@ class DecodeService(pb_grpc.DecodeServicer):
     async def Reserve(self, request, context):
         rid = request.request_id
         done = asyncio.get_running_loop().run_in_executor(
-            None, self.worker.reserve, rid, request.num_prompt_tokens, request.max_tokens)
+            None, self.worker.reserve, rid, request.num_prompt_tokens, request.max_tokens,
+            list(request.prompt_token_ids))
         try:
             r = await asyncio.shield(done)
         except asyncio.CancelledError:   # the caller is gone: nobody will learn of this reservation
@@ -77,7 +78,7 @@ class DecodeService(pb_grpc.DecodeServicer):
                                    or self.worker.abort(rid, writer_stopped=True))
             raise
         return pb.ReserveResponse(block_ids=r.blocks, slot=r.slot, generation=r.generation,
-                                  lease_s=self.res.config.transfer_timeout_s)
+                                  lease_s=self.res.config.transfer_timeout_s, num_held_blocks=r.num_held)
 
     @stream
     async def Decode(self, request, context):
@@ -128,6 +129,7 @@ class DecodeService(pb_grpc.DecodeServicer):
         cs = self.worker.counter.stats()
         counters.update(stale_immediates_dropped=cs.stale_dropped, invalid_immediates_dropped=cs.invalid_dropped,
                         transfer_timeouts=cs.timed_out, loop_errors=self.worker.watch.errors)
+        counters.update(self.res.pool.allocator.stats, cached_blocks=self.res.pool.allocator.num_cached)
         es = self.res.transfer.stats()
         counters.update(kv_bytes_received=es.bytes_received, kv_writes_received=es.writes_received,
                         kv_writes_rejected=es.writes_rejected, auth_failures=es.auth_failures)

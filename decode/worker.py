@@ -5,7 +5,9 @@ Lifecycle of a request (ARCHITECTURE.md, "One request, end to end"):
     Reserve   blocks for the prompt + a transfer slot (slot, generation)    -> RESERVED
               (no free blocks or slots: CapacityError; the router tries another worker). The
               reservation lives ``transfer_timeout_s`` (its lease, told to the router) waiting
-              for its Decode call.
+              for its Decode call. With prefix caching and the prompt given, the blocks of its
+              longest cached prefix are taken first (held: a reference each, so no eviction
+              can take them) and only the rest is to be written (delta transfer).
     Decode    arguments checked (nothing changes when they are wrong), then
               expect(num_writes)                                             -> WAITING_KV
               The call returns at once: the ``decode-loop`` thread polls the waiting transfers
@@ -21,6 +23,9 @@ Lifecycle of a request (ARCHITECTURE.md, "One request, end to end"):
                 completed, or the caller says the writer stopped (Abort with writer_stopped);
               - otherwise after ``quarantine_s`` (longer than any writer's lease), and the slot
                 too is kept out of use that long.
+              Held (cached) blocks are never a transfer's target, so they are let go at once.
+              Blocks a transfer wrote are registered in the prefix cache only once the request
+              joined the batch (every write in): an aborted transfer never poisons the cache.
     expiry    a reservation whose Decode never comes fails at the end of its lease.
 
 Threads and locks: ``decode-loop`` owns the generator. Two locks, always taken in this order:
@@ -46,7 +51,7 @@ from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import Generator, StepOutput, validate_request
 from engine.grammar import Grammars, matcher_for
 from engine.ids import BlockId
-from engine.kv_cache import blocks_needed
+from engine.kv_cache import block_hashes, blocks_needed
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
 from kvtransfer import (CompletionCounter, KVTransferError, PeerLostError, SlotState, TransferError,
@@ -107,6 +112,8 @@ class Reservation:
     first_token: int | list[int] = 0   # n > 1: one per choice
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
+    num_held: int = 0   # blocks[:num_held] came from the prefix cache: no transfer writes them
+    reserved_prompt: list[int] | None = None   # the prompt given at Reserve (Decode must repeat it)
 
     def move(self, new: ResState) -> None:
         if new not in _NEXT[self.state]:
@@ -172,7 +179,8 @@ class DecodeWorker:
         tok = res.loaded.tokenizer
         self.gen = Generator(res.loaded.model, res.pool, None,
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
-                                             max_num_batched_tokens=c.max_num_batched_tokens),
+                                             max_num_batched_tokens=c.max_num_batched_tokens,
+                                             prefix_caching=c.prefix_caching),
                              grammars=Grammars(tok, tok.stop_token_ids) if tok is not None else None)
         self._model = res.loaded.config
         self._lock = StepGate()   # the generator: the loop holds it per step, RPCs get in between
@@ -187,19 +195,24 @@ class DecodeWorker:
         self._stop = threading.Event()
         self.metrics = {"transfers_completed": 0, "transfers_failed": 0, "reservations_expired": 0,
                         "blocks_quarantined": 0, "requests_finished": 0, "requests_aborted": 0,
-                        "sequences_failed": 0}
+                        "sequences_failed": 0, "blocks_held_at_reserve": 0}
         self.watch = LoopWatch("decode-loop")
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self.watch.attach(self._thread)
         self._thread.start()
 
     # -- RPC-facing operations ----------------------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Reservation:
+    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                prompt_token_ids: list[int] | None = None) -> Reservation:
         """Allocate blocks for the prompt and a transfer slot for ``transfer_timeout_s``.
 
+        With prefix caching and ``prompt_token_ids`` (``num_prompt_tokens`` of them), the blocks
+        holding its longest cached prefix come first (``num_held`` of them, a reference each);
+        only the rest is allocated, and only the rest is for the prefill worker to write.
+
         Raises:
-            InvalidRequestError (bad id or counts, duplicate id), DrainingError, CapacityError
-            (pool or slots full; nothing is held).
+            InvalidRequestError (bad id, counts or prompt, duplicate id), DrainingError,
+            CapacityError (pool or slots full; nothing is held).
         """
         check_request_id(request_id)
         if not 1 <= num_prompt_tokens < self._model.max_position:
@@ -208,21 +221,36 @@ class DecodeWorker:
         if not 1 <= max_tokens <= self._model.max_position - num_prompt_tokens:
             raise InvalidRequestError(f"max_tokens {max_tokens} does not fit the context with "
                                       f"{num_prompt_tokens} prompt tokens")
-        need = blocks_needed(num_prompt_tokens, self.res.pool.block_size)
+        if prompt_token_ids:
+            vocab = self._model.vocab_size
+            if len(prompt_token_ids) != num_prompt_tokens or not all(0 <= t < vocab for t in prompt_token_ids):
+                raise InvalidRequestError(f"prompt_token_ids must be {num_prompt_tokens} token ids in [0, {vocab})")
+        bs, alloc = self.res.pool.block_size, self.res.pool.allocator
+        need = blocks_needed(num_prompt_tokens, bs)
+        hashes = (block_hashes(prompt_token_ids, bs)
+                  if prompt_token_ids and self.res.config.prefix_caching else [])
         lease = self.res.config.transfer_timeout_s
         with self._state:
             if self._draining:
                 raise DrainingError("decode worker is draining")
             if request_id in self._reservations:
                 raise InvalidRequestError(f"request {request_id!r} is already reserved")
-            blocks = self.res.pool.allocator.allocate(need)  # CapacityError: nothing taken
+            held = alloc.lookup(hashes) if hashes else []
+            blocks = alloc.try_allocate(need - len(held))
+            if blocks is None:
+                alloc.free(held)
+                raise CapacityError(f"KV pool full: {need - len(held)} blocks requested, "
+                                    f"{alloc.num_free} of {alloc.num_blocks} free")
+            blocks = held + blocks
             try:
                 slot, generation = self.counter.acquire(lease)
             except TransferError as exc:
-                self.res.pool.allocator.free(blocks)
+                alloc.free(blocks)
                 raise CapacityError(str(exc)) from exc
             r = Reservation(request_id, blocks, slot, generation, num_prompt_tokens,
-                            time.monotonic() + lease)
+                            time.monotonic() + lease, num_held=len(held),
+                            reserved_prompt=list(prompt_token_ids) if prompt_token_ids else None)
+            self.metrics["blocks_held_at_reserve"] += len(held)
             self._reservations[request_id] = r
             return r
 
@@ -256,6 +284,9 @@ class DecodeWorker:
             if len(prompt_token_ids) != r.num_prompt_tokens:
                 raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens; "
                                           f"{r.num_prompt_tokens} were reserved")
+            if r.reserved_prompt is not None and list(prompt_token_ids) != r.reserved_prompt:
+                raise InvalidRequestError("the prompt differs from the one reserved (its cached "
+                                          "blocks were chosen by it)")
             try:
                 self.counter.expect(r.slot, r.generation, num_writes)
             except TransferError as exc:   # the slot failed or expired a moment ago
@@ -374,11 +405,13 @@ class DecodeWorker:
         self.counter.release(r.slot, r.generation,
                              0.0 if stopped else self.res.config.quarantine_s)
         self.metrics["transfers_failed"] += 1
+        held, written = r.blocks[:r.num_held], r.blocks[r.num_held:]
+        self.res.pool.allocator.free(held)   # cached blocks: no transfer writes them
         if stopped:
-            self.res.pool.allocator.free(r.blocks)
-        else:
-            self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, r.blocks, writers))
-            self.metrics["blocks_quarantined"] += len(r.blocks)
+            self.res.pool.allocator.free(written)
+        elif written:
+            self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, written, writers))
+            self.metrics["blocks_quarantined"] += len(written)
         if r.sink is not None:
             r.sink.put(error)
         del self._reservations[r.request_id]

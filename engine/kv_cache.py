@@ -19,17 +19,21 @@ not wiped: it waits in an LRU of cached blocks, still counted as free, and `look
 takes never-registered blocks first, then evicts the least recently used cached block. A block
 is registered only once its owner will never write it again (all its positions computed), and a
 block is handed out by `lookup` only while registered, so a shared block is never written.
+
+KV events (for a KV-aware router, as Dynamo's KV publisher): with `BlockAllocator.track_events`,
+every hash that becomes cached (registered) or is evicted is recorded, and `take_events` hands
+the changes since the last call, or a snapshot of every cached hash.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict, deque
 from typing import Iterable, Sequence
 
 import torch
 
+from engine.block_hash import block_hashes  # noqa: F401  (re-exported)
 from engine.config import CacheConfig, ModelConfig
 from engine.errors import CapacityError
 from engine.ids import BlockId
@@ -54,6 +58,9 @@ class BlockAllocator:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self.stats = {"prefix_hit_blocks": 0, "prefix_lookup_blocks": 0, "cache_evictions": 0}
+        self._events: dict[bytes, bool] | None = None   # hash -> cached (True) / evicted (False)
+        self._max_events = 0
+        self._events_overflowed = False
 
     @property
     def num_free(self) -> int:
@@ -95,6 +102,7 @@ class BlockAllocator:
                     b, h = self._cached.popitem(last=False)
                     del self._by_hash[h], self._hash_of[b]
                     self.stats["cache_evictions"] += 1
+                    self._event(h, False)
                     blocks.append(b)
             for b in blocks:
                 self._refs[b] = 1
@@ -133,6 +141,40 @@ class BlockAllocator:
             if block_hash not in self._by_hash and block not in self._hash_of:
                 self._by_hash[block_hash] = block
                 self._hash_of[block] = block_hash
+                self._event(block_hash, True)
+
+    def track_events(self, max_events: int = 1 << 16) -> None:
+        """Start recording cache events for `take_events`; past ``max_events`` distinct hashes
+        between two calls the log overflows and the next call returns a snapshot."""
+        with self._lock:
+            self._events, self._max_events = {}, max_events
+
+    def _event(self, block_hash: bytes, cached: bool) -> None:   # with the lock held
+        if self._events is None:
+            return
+        self._events[block_hash] = cached   # only the last change of a hash matters
+        if len(self._events) > self._max_events:
+            self._events.clear()
+            self._events_overflowed = True
+
+    def take_events(self, snapshot: bool = False) -> tuple[bool, list[bytes], list[bytes]]:
+        """The cache changes since the last call: ``(is_snapshot, stored, removed)``.
+
+        A snapshot (asked for, or the log overflowed) lists every cached hash in ``stored``
+        and nothing in ``removed``; otherwise ``stored`` / ``removed`` are the hashes that
+        became cached / were evicted since the last call (each hash's last change only).
+        Raises `RuntimeError` unless `track_events` was called."""
+        with self._lock:
+            if self._events is None:
+                raise RuntimeError("KV events are not tracked (track_events)")
+            if snapshot or self._events_overflowed:
+                self._events.clear()
+                self._events_overflowed = False
+                return True, list(self._by_hash), []
+            stored = [h for h, c in self._events.items() if c]
+            removed = [h for h, c in self._events.items() if not c]
+            self._events.clear()
+            return False, stored, removed
 
     def lookup(self, hashes: Sequence[bytes]) -> list[BlockId]:
         """The blocks holding the longest cached prefix of ``hashes`` (chained block hashes, in
@@ -151,21 +193,6 @@ class BlockAllocator:
             self.stats["prefix_hit_blocks"] += len(out)
         return out
 
-
-def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = b"",
-                 salt: bytes = b"") -> list[bytes]:
-    """Chained hashes of the full blocks of ``token_ids`` from block ``start`` on: block i's hash
-    covers its tokens, ``salt`` (what else shapes its K/V) and the hash of block i - 1
-    (``parent`` for block ``start``), so equal hashes mean equal prefixes. BLAKE2b, 16 bytes:
-    stable across processes (for routers comparing workers' caches)."""
-    out = []
-    prev = parent
-    for i in range(start, len(token_ids) // block_size):
-        h = hashlib.blake2b(prev, digest_size=16, key=salt[:64])
-        h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids[i * block_size:(i + 1) * block_size]))
-        prev = h.digest()
-        out.append(prev)
-    return out
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""

@@ -65,6 +65,8 @@ class PrefillResult:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     first_tokens: list[int] = field(default_factory=list)            # n > 1: every choice's
     first_tokens_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    bytes_skipped: int = 0        # KV bytes not written: the decode worker held those blocks
+    prefix_hit_tokens: int = 0    # prompt tokens found in this worker's prefix cache
 
 
 @dataclass(eq=False)
@@ -80,6 +82,7 @@ class PrefillJob:
     slot: int
     generation: int
     deadline: float
+    num_held: int = 0                 # leading prompt blocks the decode worker holds: not written
     state: JobState = JobState.QUEUED
     error: Exception | None = None
     src_blocks: list[BlockId] = field(default_factory=list)
@@ -94,6 +97,8 @@ class PrefillJob:
     num_registered: int = 0           # leading blocks registered in the prefix cache
     num_writes: int = 0
     bytes_posted: int = 0
+    bytes_skipped: int = 0
+    prefix_hit_tokens: int = 0
     handles: list[WriteHandle] = field(default_factory=list)
     compute_seconds: float = 0.0
     transfer_seconds: float = 0.0
@@ -126,7 +131,8 @@ class PrefillJob:
             raise self.error
         return PrefillResult(self.first_token, self.num_writes, self.bytes_posted,
                              self.compute_seconds, self.transfer_seconds, self.first_logprobs,
-                             self.prompt_logprobs, self.first_tokens, self.first_tokens_logprobs)
+                             self.prompt_logprobs, self.first_tokens, self.first_tokens_logprobs,
+                             self.bytes_skipped, self.prefix_hit_tokens)
 
     def add_done_callback(self, callback: Callable[["PrefillJob"], None]) -> None:
         """Call ``callback(job)`` once the job finished (at once if it has); from the thread

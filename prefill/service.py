@@ -60,7 +60,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         params = sampling_from_proto(request.sampling)
         job = self.worker.submit(request.request_id, list(request.token_ids), params, request.decode_worker_id,
                                  list(request.block_ids), request.slot, request.generation,
-                                 request.write_deadline_s)
+                                 request.write_deadline_s, request.num_held_blocks)
         try:
             await wait_finished(job, None)   # every job finishes: its lease bounds it
         except asyncio.CancelledError:   # the caller gave up (deadline, cancel): stop the job
@@ -69,7 +69,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         r = job.result()
         resp = pb.PrefillResponse(first_token=r.first_token, num_writes=r.num_writes,
                                   bytes_written=r.bytes_written, prefill_seconds=r.compute_seconds,
-                                  transfer_seconds=r.transfer_seconds)
+                                  transfer_seconds=r.transfer_seconds, bytes_skipped=r.bytes_skipped,
+                                  prefix_hit_tokens=r.prefix_hit_tokens)
         if r.first_logprobs is not None:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(r.first_logprobs))
         resp.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in r.prompt_logprobs)
@@ -90,6 +91,7 @@ class PrefillService(pb_grpc.PrefillServicer):
     @unary
     async def Stats(self, request, context):
         counters = dict(self.worker.metrics)
+        counters.update(self.res.pool.allocator.stats, cached_blocks=self.res.pool.allocator.num_cached)
         es = self.res.transfer.stats()
         counters.update(kv_writes_posted=es.writes_posted, kv_bytes_posted=es.bytes_posted,
                         peers_lost=es.peers_lost, loop_errors=sum(w.errors for w in self.worker.watches))

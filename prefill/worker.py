@@ -9,6 +9,8 @@ Lifecycle of a job (states in `prefill.job`):
                 the prompt's LAST chunk, as each layer finishes, the writes of that layer (K and V
                 of every block, planned by `kvtransfer.plan_writes`, each carrying the immediate
                 (slot, generation)) are posted to the decode worker. The first token is sampled.
+                Delta transfer: the first ``num_held`` blocks of the prompt, which the decode
+                worker already holds, are neither planned nor written (nor counted).
     transfer    TRANSFERRING: the ``prefill-sender`` thread waits for every posted write to
                 complete
     done        DONE / FAILED: the source blocks are freed only now, after every posted write
@@ -83,7 +85,8 @@ class PrefillWorker:
         self._draining = False
         self._stop = threading.Event()
         self.metrics = {"prefills_completed": 0, "prefills_failed": 0, "prefills_aborted": 0,
-                        "kv_bytes_sent": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
+                        "kv_bytes_sent": 0, "kv_bytes_skipped": 0, "prompt_tokens": 0,
+                        "prefix_hit_tokens": 0}
         self.watches = (LoopWatch("prefill-loop"), LoopWatch("prefill-sender", stall_s=float("inf")))
         tok = res.loaded.tokenizer
         self.grammars = Grammars(tok, tok.stop_token_ids) if tok is not None else None
@@ -117,9 +120,13 @@ class PrefillWorker:
 
     # -- jobs --------------------------------------------------------------------------------------
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, decode_worker_id: str,
-               dst_blocks: list[int], slot: int, generation: int, write_deadline_s: float = 0.0) -> PrefillJob:
+               dst_blocks: list[int], slot: int, generation: int, write_deadline_s: float = 0.0,
+               num_held: int = 0) -> PrefillJob:
         """Check the arguments, then queue a job; returns at once (see `PrefillJob` for how the
         outcome arrives).
+
+        ``num_held``: the decode worker already holds the prompt's first ``num_held`` blocks
+        (full ones); ``dst_blocks`` are the destinations of the blocks after them.
 
         Raises (nothing queued): InvalidRequestError (prompt, sampling, block ids not distinct
         or outside the peer's pool, wrong block count, slot/generation out of range, bad
@@ -136,8 +143,11 @@ class PrefillWorker:
         if peer is None:
             raise PrefillError(f"not connected to decode worker {decode_worker_id!r}")
         need = blocks_needed(len(token_ids), self.res.pool.block_size)
-        if len(dst_blocks) != need:
-            raise InvalidRequestError(f"{len(dst_blocks)} destination blocks for a prompt needing {need}")
+        if not 0 <= num_held <= len(token_ids) // self.res.pool.block_size:
+            raise InvalidRequestError(f"num_held_blocks {num_held} is more than the prompt's full blocks")
+        if len(dst_blocks) != need - num_held:
+            raise InvalidRequestError(f"{len(dst_blocks)} destination blocks for a prompt needing {need} "
+                                      f"of which the decode worker holds {num_held}")
         if len(set(dst_blocks)) != len(dst_blocks):
             raise InvalidRequestError("destination block ids are not distinct")
         if any(not 0 <= b < peer.layout.num_blocks for b in dst_blocks):
@@ -148,7 +158,7 @@ class PrefillWorker:
         if write_deadline_s > 0:
             lease = min(lease, write_deadline_s)
         job = PrefillJob(request_id, list(token_ids), params, peer, list(dst_blocks), slot, generation,
-                         time.monotonic() + lease)
+                         time.monotonic() + lease, num_held=num_held)
         job.matcher = matcher_for(self.grammars, params, token_ids)
         with self._lock:
             if self._draining:
@@ -286,6 +296,7 @@ class PrefillWorker:
         job.src_blocks = hit + rest
         job.num_computed = len(hit) * bs
         job.num_registered = len(hit)
+        job.prefix_hit_tokens = len(hit) * bs
         self.metrics["prefix_hit_tokens"] += len(hit) * bs
         return True
 
@@ -334,11 +345,12 @@ class PrefillWorker:
                 job.fail(PrefillTimeout(f"prefill of {job.request_id} passed its lease while computing"))
                 continue
             try:
-                plan = plan_writes(self.res.layout, job.peer.layout, job.src_blocks, job.dst_blocks,
+                plan = plan_writes(self.res.layout, job.peer.layout, job.src_blocks[job.num_held:], job.dst_blocks,
                                    self.res.config.max_write_bytes, layers=[layer])
                 ops = to_write_ops(plan, self.res.region, job.peer.remote_key,
                                    pack_immediate(job.slot, job.generation))
-                job.handles.append(self.res.transfer.post_writes(job.peer.peer, ops))
+                if ops:   # the decode worker may hold every block already
+                    job.handles.append(self.res.transfer.post_writes(job.peer.peer, ops))
             except (KVTransferError, ValueError) as exc:
                 job.fail(exc)
                 continue
@@ -391,9 +403,11 @@ class PrefillWorker:
                         job.first_tokens = list(choice[0])
                         job.first_tokens_logprobs = [x for x in choice[1] if x is not None]
                 if not job.stopped:
-                    job.num_writes = count_writes(self.res.layout, job.peer.layout, job.src_blocks,
+                    job.num_writes = count_writes(self.res.layout, job.peer.layout, job.src_blocks[job.num_held:],
                                                   job.dst_blocks, self.res.config.max_write_bytes)
+                    job.bytes_skipped = job.num_held * self.res.layout.num_layers * 2 * self.res.layout.block_bytes
                 self.metrics["kv_bytes_sent"] += job.bytes_posted
+                self.metrics["kv_bytes_skipped"] += job.bytes_skipped
                 self.metrics["prompt_tokens"] += len(job.token_ids)
                 if job in self._queue:
                     self._queue.remove(job)

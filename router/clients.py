@@ -61,6 +61,7 @@ class Reservation:
     slot: int
     generation: int
     expires_at: float
+    num_held_blocks: int = 0   # block_ids[:num_held_blocks] already hold the prompt's first blocks
 
     def write_deadline_s(self, margin_s: float) -> float:
         """Seconds from now the prefill may still post writes (>= 0.001)."""
@@ -108,10 +109,18 @@ class WorkerClient:
             raise _translate(exc, self.worker_id, what) from exc
 
     # -- decode --------------------------------------------------------------------------------
-    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Reservation:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                      prompt: Sequence[int] = ()) -> Reservation:
+        """``prompt``: given to a decode worker with a prefix cache (it holds the cached blocks).
+        Raises `WorkerFailed` on a reply whose ``num_held_blocks`` exceeds its blocks."""
         resp = await self._unary("Reserve", self._decode.Reserve, pb.ReserveRequest(
-            request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens))
-        return Reservation(tuple(resp.block_ids), resp.slot, resp.generation, time.monotonic() + resp.lease_s)
+            request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
+            prompt_token_ids=prompt))
+        if resp.num_held_blocks > len(resp.block_ids):
+            raise WorkerFailed(self.worker_id, "Reserve", "BAD_REPLY",
+                               f"{resp.num_held_blocks} held blocks of {len(resp.block_ids)}")
+        return Reservation(tuple(resp.block_ids), resp.slot, resp.generation, time.monotonic() + resp.lease_s,
+                           resp.num_held_blocks)
 
     def decode(self, request_id: str, first_token: int, num_writes: int, sampling: pb.SamplingParams,
                prompt: Sequence[int], timeout_s: float, first_tokens: Sequence[int] = ()) -> TokenStream:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from router.serving import check_mode
 
-POLICIES = ("load", "round_robin")
+POLICIES = ("load", "round_robin", "kv")
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -37,7 +37,8 @@ class RouterConfig:
             ``llama.context_length`` from the model file.
         heartbeat_interval_s: how often workers are told to heartbeat (seconds).
         dead_after_s: a worker silent for this long is declared dead (seconds, > interval).
-        policy: ``"load"`` (free KV blocks / queued prompt tokens) or ``"round_robin"``.
+        policy: ``"load"`` (free KV blocks / queued prompt tokens), ``"round_robin"`` or
+            ``"kv"`` (prefix cache overlap and load, `router.policy.KVPolicy`).
         max_waiting_requests: requests that may wait in the admission queue for capacity
             (`router.admission`); one more is refused at once with 503 + ``Retry-After``.
         queue_timeout_s: longest wait in the admission queue before a 503 (seconds).

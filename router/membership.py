@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import rpc
+from router.kvindex import KVIndex
 from rpc import pdserve_pb2 as pb
 
 
@@ -101,6 +102,7 @@ class Member:
     heartbeats: int = 0
     last_seen: float = 0.0
     peers: frozenset[str] = frozenset()
+    prefix_caching: bool = False   # keeps a prefix cache and publishes its KV events
 
     @property
     def routable(self) -> bool:
@@ -112,6 +114,7 @@ class Member:
                 "grpc_address": self.grpc_address, "host_id": self.host_id,
                 "transfer_engine": self.transfer_engine, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "peers": sorted(self.peers),
+                "prefix_caching": self.prefix_caching,
                 "load": self.load.__dict__, "seconds_since_heartbeat":
                     round(time.monotonic() - self.last_seen, 3)}
 
@@ -132,6 +135,7 @@ class Membership:
         self._epochs = itertools.count(1)
         self._clock = clock
         self._listeners: list[Callable[[], None]] = []
+        self.kv_index = KVIndex()   # what each member's prefix cache holds (router.kvindex)
         # membership events since start: joins, rejoins, leaves, deaths, refusals
         self.events: dict[str, int] = {"join": 0, "rejoin": 0, "leave": 0, "death": 0, "refused": 0}
 
@@ -169,9 +173,11 @@ class Membership:
             member = Member(info.worker_id, role, info.grpc_address,
                             info.host_id, info.model_name, info.num_blocks, info.block_size,
                             info.transfer_engine, next(self._epochs), last_seen=self._clock(),
+                            prefix_caching=info.prefix_caching,
                             state=WorkerState.CONNECTED if self._standalone_decode and role == "decode"
                             else WorkerState.JOINING)
             self._members[member.worker_id] = member
+            self.kv_index.drop(member.worker_id)   # its first heartbeat brings a snapshot
             self.events["rejoin" if replaced is not None else "join"] += 1
             if replaced is not None:
                 self._drop_links(replaced)
@@ -199,6 +205,7 @@ class Membership:
             if m is None:
                 return None
             self.events[reason] += 1
+            self.kv_index.drop(worker_id)
             self._drop_links(m)
             gone = replace(m, state=transition(m.state, WorkerState.GONE))
         self._notify()

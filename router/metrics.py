@@ -35,6 +35,14 @@ class RouterMetrics:
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV cache bytes written prefill->decode",
                                 registry=r)
+        self.kv_bytes_skipped = Counter("pdserve_kv_transfer_bytes_skipped",
+                                        "KV cache bytes not written: the decode worker held those "
+                                        "blocks in its prefix cache (delta transfer)", registry=r)
+        self.prefix_query_tokens = Counter("pdserve_prefix_cache_queries", "Prompt tokens looked up "
+                                           "in a worker's prefix cache", ["role"], registry=r)
+        self.prefix_hit_tokens = Counter("pdserve_prefix_cache_hits", "Prompt tokens found in a "
+                                         "worker's prefix cache (prefill: not computed; decode: not "
+                                         "received)", ["role"], registry=r)
         self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer time per request",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("pdserve_queue_depth", "Requests waiting for KV blocks", registry=r)
@@ -80,9 +88,19 @@ class _WorkerLoadCollector:
         state = GaugeMetricFamily("pdserve_worker_state",
                                   "Worker state (0 joining, 1 connected, 2 draining)",
                                   labels=["worker_id", "role"])
+        cached = GaugeMetricFamily("pdserve_worker_prefix_cache_blocks", "Blocks in a worker's "
+                                   "prefix cache (the router's KV index of it)", labels=["worker_id", "role"])
+        evicted = CounterMetricFamily("pdserve_worker_prefix_cache_evictions", "Blocks evicted from a "
+                                      "worker's prefix cache since it registered", labels=["worker_id", "role"])
+        sizes, evictions = self._m.kv_index.sizes(), dict(self._m.kv_index.evictions)
         for m in self._m.members():
             for f, fam in families.items():
                 fam.add_metric([m.worker_id, m.role], float(getattr(m.load, f)))
             state.add_metric([m.worker_id, m.role], float(m.state))
+            if m.worker_id in sizes:
+                cached.add_metric([m.worker_id, m.role], float(sizes[m.worker_id]))
+                evicted.add_metric([m.worker_id, m.role], float(evictions.get(m.worker_id, 0)))
         yield from families.values()
         yield state
+        yield cached
+        yield evicted

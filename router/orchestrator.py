@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.block_hash import block_hashes
 from router.admission import Admission
 from router.clients import (Reservation, TokenStream, WorkerCallError, WorkerClient, WorkerFailed,
                             WorkerFull, WorkerRejected)
@@ -165,6 +166,7 @@ class _Holding:
         self.prefill_call: asyncio.Task | None = None
         self.colocated = False
         self.done = False
+        self.hashes: list[bytes] | None = None   # the prompt's block hashes (KV-aware policy)
 
 
 _WRITE_MARGIN_S = 1.0   # the prefill stops posting this long before the reservation's lease ends
@@ -251,7 +253,7 @@ class Orchestrator:
         try:
             if path is ServingPath.DISAGGREGATED:
                 await self.admission.acquire(
-                    lambda since: self._place(hold, len(prompt), remaining, lead.failed_workers, since))
+                    lambda since: self._place(hold, prompt, remaining, lead.failed_workers, since))
                 first = await self._prefill(hold, prompt, sampling)
                 forked = len(runs) > 1
                 firsts = list(first.first_tokens) if forked else [first.first_token]
@@ -322,22 +324,29 @@ class Orchestrator:
         queued = self.inflight.prefill_tokens.get(p.worker_id, 0)
         return queued == 0 or queued + tokens <= self.config.prefill_inflight_tokens
 
-    async def _place(self, hold: _Holding, num_tokens: int, max_tokens: int, avoid: set[str],
+    async def _place(self, hold: _Holding, prompt: list[int], max_tokens: int, avoid: set[str],
                      since: float) -> bool | None:
         """Reserve on a decode worker linked to a prefill worker with room; True when placed
-        (``hold`` filled), None when no worker has room now."""
+        (``hold`` filled), None when no worker has room now. A decode worker with a prefix
+        cache gets the prompt, to hold its cached blocks (delta transfer)."""
         decodes = self._decode_candidates()
         if not decodes:
             self._no_workers_yet(since, "no connected prefill/decode worker pair is available")
             return None
+        num_tokens = len(prompt)
         prefills = [p for p in self.membership.routable("prefill") if self._prefill_room(p, num_tokens)]
         room = {p.worker_id for p in prefills}
-        need = -(-num_tokens // max(1, decodes[0].block_size))
+        bs = max(1, decodes[0].block_size)
+        need = -(-num_tokens // bs)
+        if self.policy.uses_hashes and hold.hashes is None:
+            hold.hashes = block_hashes(prompt, bs)
+        hashes = hold.hashes or ()
         for d in _last(self.policy.order_decode([d for d in decodes if d.peers & room], self.inflight,
-                                                need), avoid):
+                                                need, hashes), avoid):
             hold.decode = d   # from here a release aborts whatever Reserve left behind
             try:
-                hold.reservation = await self._client(d).reserve(hold.request_id, num_tokens, max_tokens)
+                hold.reservation = await self._client(d).reserve(hold.request_id, num_tokens, max_tokens,
+                                                                 prompt if d.prefix_caching else ())
             except WorkerFull:
                 hold.decode = None
                 continue
@@ -347,9 +356,12 @@ class Orchestrator:
                 hold.decode = None
                 continue
             linked = [p for p in prefills if d.worker_id in p.peers]
-            hold.prefill = _last(self.policy.order_prefill(linked, self.inflight), avoid)[0]
+            hold.prefill = _last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
             hold.prefill_tokens = num_tokens
-            self.inflight.add_reservation(d, len(hold.reservation.block_ids))
+            self.inflight.add_reservation(d, len(hold.reservation.block_ids) - hold.reservation.num_held_blocks)
+            if d.prefix_caching:
+                self.metrics.prefix_query_tokens.labels("decode").inc(num_tokens)
+                self.metrics.prefix_hit_tokens.labels("decode").inc(hold.reservation.num_held_blocks * bs)
             self.inflight.start_prefill(hold.prefill.worker_id, num_tokens)
             return True
         return None
@@ -376,10 +388,11 @@ class Orchestrator:
 
     # -- prefill ------------------------------------------------------------------------------
     async def _prefill(self, hold: _Holding, prompt: list[int], sampling: pb.SamplingParams) -> pb.PrefillResponse:
+        held = hold.reservation.num_held_blocks
         req = pb.PrefillRequest(request_id=hold.request_id, token_ids=prompt, sampling=sampling,
                                 decode_worker_id=hold.decode.worker_id,
-                                block_ids=hold.reservation.block_ids, slot=hold.reservation.slot,
-                                generation=hold.reservation.generation,
+                                block_ids=hold.reservation.block_ids[held:], num_held_blocks=held,
+                                slot=hold.reservation.slot, generation=hold.reservation.generation,
                                 write_deadline_s=hold.reservation.write_deadline_s(_WRITE_MARGIN_S))
         hold.prefill_call = asyncio.ensure_future(
             self._client(hold.prefill).prefill(req, self.config.prefill_timeout_s))
@@ -390,6 +403,10 @@ class Orchestrator:
             self.inflight.end_prefill(hold.prefill.worker_id, hold.prefill_tokens)
             self.admission.notify()
         self.metrics.kv_bytes.inc(resp.bytes_written)
+        self.metrics.kv_bytes_skipped.inc(resp.bytes_skipped)
+        if hold.prefill.prefix_caching:
+            self.metrics.prefix_query_tokens.labels("prefill").inc(len(prompt))
+            self.metrics.prefix_hit_tokens.labels("prefill").inc(resp.prefix_hit_tokens)
         self.metrics.kv_seconds.observe(resp.transfer_seconds)
         self.metrics.prefill_seconds.observe(resp.prefill_seconds)
         return resp

@@ -8,6 +8,11 @@ one interval old, so the router adds what it has itself put on each worker since
   reserved that no heartbeat reflects yet), then fewest running sequences; prefill by queued
   prompt tokens (heartbeat figure plus this router's in-flight Prefill calls' tokens).
 - ``round_robin``: rotate through the candidates, ignoring load.
+- ``kv``: KV-aware (Dynamo's KV router cost, in blocks, lower is better): for each candidate
+  the blocks of the prompt it would have to compute (prefill) or receive (decode), i.e. the
+  prompt's blocks minus the leading ones its prefix cache holds (`router.kvindex`), plus its
+  load in blocks (decode: blocks in use; prefill: queued prompt tokens / block size). Without
+  an index (caching off, or just after a router restart) it is ``load`` in blocks.
 
 Not thread safe: used from the HTTP event loop only.
 """
@@ -19,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from router.kvindex import KVIndex
 from router.membership import Member
 
 # A reservation counts as "not yet reflected" until this many heartbeats arrived after it:
@@ -62,28 +68,32 @@ class Inflight:
 
 
 class Policy:
-    """Orders candidates, best first. ``needed_blocks`` is the request's prompt blocks."""
+    """Orders candidates, best first. ``needed_blocks`` is the request's prompt blocks;
+    ``hashes`` its chained block hashes (`engine.block_hash`), given to policies that set
+    ``uses_hashes``."""
 
     name = "base"
+    uses_hashes = False
 
     def order_decode(self, decodes: Sequence[Member], inflight: Inflight,
-                     needed_blocks: int) -> list[Member]:
+                     needed_blocks: int, hashes: Sequence[bytes] = ()) -> list[Member]:
         raise NotImplementedError
 
-    def order_prefill(self, prefills: Sequence[Member], inflight: Inflight) -> list[Member]:
+    def order_prefill(self, prefills: Sequence[Member], inflight: Inflight,
+                      needed_blocks: int = 0, hashes: Sequence[bytes] = ()) -> list[Member]:
         raise NotImplementedError
 
 
 class LoadPolicy(Policy):
     name = "load"
 
-    def order_decode(self, decodes, inflight, needed_blocks):
+    def order_decode(self, decodes, inflight, needed_blocks, hashes=()):
         def key(m: Member):
             free = m.load.free_blocks - inflight.pending_blocks(m)
             return (free < needed_blocks, -free, m.load.running + m.load.waiting, m.worker_id)
         return sorted(decodes, key=key)
 
-    def order_prefill(self, prefills, inflight):
+    def order_prefill(self, prefills, inflight, needed_blocks=0, hashes=()):
         def key(m: Member):
             queued = m.load.queued_prompt_tokens + inflight.prefill_tokens.get(m.worker_id, 0)
             return (queued, m.load.waiting, m.worker_id)
@@ -96,10 +106,10 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._turn = {"decode": itertools.count(), "prefill": itertools.count()}
 
-    def order_decode(self, decodes, inflight, needed_blocks):
+    def order_decode(self, decodes, inflight, needed_blocks, hashes=()):
         return self._rotate(decodes, "decode")
 
-    def order_prefill(self, prefills, inflight):
+    def order_prefill(self, prefills, inflight, needed_blocks=0, hashes=()):
         return self._rotate(prefills, "prefill")
 
     def _rotate(self, members: Sequence[Member], role: str) -> list[Member]:
@@ -110,10 +120,43 @@ class RoundRobinPolicy(Policy):
         return ordered[k:] + ordered[:k]
 
 
-def make_policy(name: str) -> Policy:
-    """``"load"`` or ``"round_robin"``. Raises `ValueError` on another name."""
+class KVPolicy(Policy):
+    """KV-aware ordering over ``index`` (see the module docstring); ``overlap_weight`` scales
+    the blocks to compute or receive against the load (Dynamo's ``overlap_score_weight``)."""
+
+    name = "kv"
+    uses_hashes = True
+
+    def __init__(self, index: KVIndex, overlap_weight: float = 1.0) -> None:
+        self.index = index
+        self.overlap_weight = overlap_weight
+
+    def order_decode(self, decodes, inflight, needed_blocks, hashes=()):
+        def key(m: Member):
+            free = m.load.free_blocks - inflight.pending_blocks(m)
+            new = needed_blocks - self.index.overlap(m.worker_id, hashes)
+            used = m.load.total_blocks - free
+            return (free < new, self.overlap_weight * new + used, m.load.running + m.load.waiting,
+                    m.worker_id)
+        return sorted(decodes, key=key)
+
+    def order_prefill(self, prefills, inflight, needed_blocks=0, hashes=()):
+        def key(m: Member):
+            queued = m.load.queued_prompt_tokens + inflight.prefill_tokens.get(m.worker_id, 0)
+            new = needed_blocks - self.index.overlap(m.worker_id, hashes)
+            return (self.overlap_weight * new + queued / max(1, m.block_size), m.load.waiting, m.worker_id)
+        return sorted(prefills, key=key)
+
+
+def make_policy(name: str, index: KVIndex | None = None) -> Policy:
+    """``"load"``, ``"round_robin"`` or ``"kv"`` (over ``index``, the membership's).
+    Raises `ValueError` on another name, or "kv" without an index."""
     if name == "load":
         return LoadPolicy()
     if name == "round_robin":
         return RoundRobinPolicy()
+    if name == "kv":
+        if index is None:
+            raise ValueError("the kv policy needs a KV index")
+        return KVPolicy(index)
     raise ValueError(f"unknown policy {name!r}")

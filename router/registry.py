@@ -66,8 +66,10 @@ class RegistryServicer(pbg.RegistryServicer):
             heartbeat_interval_ms=int(self._config.heartbeat_interval_s * 1000))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(known=self._m.heartbeat(request.worker_id,
-                                                            Load.from_pb(request.load)))
+        known = self._m.heartbeat(request.worker_id, Load.from_pb(request.load))
+        want = known and request.HasField("kv_events") and self._m.kv_index.apply(
+            request.worker_id, request.kv_events)
+        return pb.HeartbeatResponse(known=known, want_kv_snapshot=want)
 
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
         gone = self._m.leave(request.worker_id)

@@ -76,7 +76,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "host_id", "protocol_version", "compat_hash", "model_name", "num_blocks", "block_size", "transfer_engine")
+    __slots__ = ("worker_id", "role", "grpc_address", "host_id", "protocol_version", "compat_hash", "model_name", "num_blocks", "block_size", "transfer_engine", "prefix_caching")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class WorkerInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     grpc_address: str
@@ -97,7 +98,8 @@ class WorkerInfo(_message.Message):
     num_blocks: int
     block_size: int
     transfer_engine: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., model_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transfer_engine: _Optional[str] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., model_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transfer_engine: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class LoadStats(_message.Message):
     __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "queued_prompt_tokens", "draining", "reserved_blocks", "unhealthy", "unhealthy_reason")
@@ -139,19 +141,33 @@ class RegisterResponse(_message.Message):
     router_id: str
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., router_id: _Optional[str] = ...) -> None: ...
 
+class KVEvents(_message.Message):
+    __slots__ = ("snapshot", "stored", "removed")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load")
+    __slots__ = ("worker_id", "load", "kv_events")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: LoadStats
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[LoadStats, _Mapping]] = ...) -> None: ...
+    kv_events: KVEvents
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[LoadStats, _Mapping]] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "want_kv_snapshot")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    WANT_KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    want_kv_snapshot: bool
+    def __init__(self, known: _Optional[bool] = ..., want_kv_snapshot: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -241,7 +257,7 @@ class DrainResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "decode_worker_id", "block_ids", "slot", "generation", "write_deadline_s")
+    __slots__ = ("request_id", "token_ids", "sampling", "decode_worker_id", "block_ids", "slot", "generation", "write_deadline_s", "num_held_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +266,7 @@ class PrefillRequest(_message.Message):
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WRITE_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -258,10 +275,11 @@ class PrefillRequest(_message.Message):
     slot: int
     generation: int
     write_deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., write_deadline_s: _Optional[float] = ...) -> None: ...
+    num_held_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., write_deadline_s: _Optional[float] = ..., num_held_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_writes", "bytes_written", "prefill_seconds", "transfer_seconds", "first_logprobs", "prompt_logprobs", "first_tokens", "first_tokens_logprobs")
+    __slots__ = ("first_token", "num_writes", "bytes_written", "prefill_seconds", "transfer_seconds", "first_logprobs", "prompt_logprobs", "first_tokens", "first_tokens_logprobs", "bytes_skipped", "prefix_hit_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_WRITES_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +289,8 @@ class PrefillResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_writes: int
     bytes_written: int
@@ -280,29 +300,35 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     first_tokens: _containers.RepeatedScalarFieldContainer[int]
     first_tokens_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, first_token: _Optional[int] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_tokens_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    bytes_skipped: int
+    prefix_hit_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_tokens_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., bytes_skipped: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "slot", "generation", "lease_s")
+    __slots__ = ("block_ids", "slot", "generation", "lease_s", "num_held_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slot: int
     generation: int
     lease_s: float
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    num_held_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., lease_s: _Optional[float] = ..., num_held_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token", "num_writes", "sampling", "prompt_token_ids", "first_tokens")

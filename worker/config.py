@@ -39,8 +39,11 @@ class WorkerConfig:
             requests whose KV arrived beyond it wait, their blocks held, for a place.
         max_num_batched_tokens: prefill: most prompt tokens per forward pass (longer prompts are
             chunked).
-        prefix_caching: prefill: reuse the K/V of full blocks computed for the same leading tokens
-            by earlier prompts (only the rest is computed; every block is still sent).
+        prefix_caching: keep a prefix cache of full KV blocks (engine.kv_cache): the prefill worker
+            computes only what follows a prompt's cached prefix; the decode worker holds the
+            cached blocks of a prompt at Reserve so they are not sent again (delta transfer)
+            and caches what it decodes; both publish their cache's changes on the heartbeat
+            (KV-aware routing).
         threads: torch threads of this process.
         transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
         transfer_port: port of the data-plane listener (0: ephemeral).

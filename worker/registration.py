@@ -36,14 +36,21 @@ class RegistrationClient:
         on_refused: called once with the reason if the router refuses registration; the thread
             then stops.
         secret: the cluster secret; its control token (`rpc.auth`) goes with every call.
+        kv_events: with a prefix cache, ``kv_events(snapshot) -> (is_snapshot, stored, removed)``
+            (`engine.kv_cache.BlockAllocator.take_events`); every heartbeat carries its result
+            as `KVEvents`. A snapshot goes after each registration, after a heartbeat that
+            failed (its events may be lost) and when the router asks for one.
     """
 
     def __init__(self, router: str, info: pb.WorkerInfo, load: Callable[[], pb.LoadStats],
                  interval_s: float = 1.0, on_refused: Callable[[str], None] | None = None,
-                 secret: bytes | None = None, tls: TLSFiles | None = None):
+                 secret: bytes | None = None, tls: TLSFiles | None = None,
+                 kv_events: Callable[[bool], tuple[bool, list[bytes], list[bytes]]] | None = None):
         self._router = router
         self._info = info
         self._load = load
+        self._kv_events = kv_events
+        self._kv_snapshot = True   # the next heartbeat sends every cached hash
         self._interval = interval_s
         self._on_refused = on_refused
         self._stop = threading.Event()
@@ -84,6 +91,7 @@ class RegistrationClient:
         if resp.heartbeat_interval_ms:
             self._interval = resp.heartbeat_interval_ms / 1000.0
         log.info("registered with router %s as %s", self._router, self._info.worker_id)
+        self._kv_snapshot = True
         self.registered.set()
         return True
 
@@ -95,15 +103,24 @@ class RegistrationClient:
         return False
 
     def _heartbeat(self) -> None:
+        request = pb.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load())
+        if self._kv_events is not None:
+            snapshot, stored, removed = self._kv_events(self._kv_snapshot)
+            request.kv_events.snapshot = snapshot
+            request.kv_events.stored.extend(stored)
+            request.kv_events.removed.extend(removed)
+            self._kv_snapshot = False
         try:
-            resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load()),
-                                        timeout=max(self._interval, 1.0))
+            resp = self._stub.Heartbeat(request, timeout=max(self._interval, 1.0))
         except grpc.RpcError as exc:
             log.debug("heartbeat failed: %s", exc.code())
+            self._kv_snapshot = True   # its events may be lost
             return
         if not resp.known:
             log.warning("router no longer knows %s; registering again", self._info.worker_id)
             self.registered.clear()
+        elif resp.want_kv_snapshot:
+            self._kv_snapshot = True
 
     def leave(self, timeout_s: float = 3.0) -> None:
         """Tell the router this worker is leaving (best effort)."""

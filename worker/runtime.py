@@ -101,7 +101,7 @@ def worker_info(res: WorkerResources, address: str) -> pb.WorkerInfo:
         worker_id=c.worker_id, role=pb.PREFILL if c.role == "prefill" else pb.DECODE,
         grpc_address=address, host_id=local_host_id(), protocol_version=PROTOCOL_VERSION,
         compat_hash=res.compat_hash, model_name=res.loaded.config.name, num_blocks=c.num_blocks,
-        block_size=c.block_size, transfer_engine=c.transfer_engine)
+        block_size=c.block_size, transfer_engine=c.transfer_engine, prefix_caching=c.prefix_caching)
 
 
 class WorkerServer:
@@ -119,9 +119,13 @@ class WorkerServer:
         self.address = f"{c.host_for_peers}:{port}"
         self.stopped = threading.Event()
         self._closed = False
+        kv_events = None
+        if c.prefix_caching:
+            res.pool.allocator.track_events()
+            kv_events = res.pool.allocator.take_events
         self.registration = RegistrationClient(c.router, worker_info(res, self.address), self.load,
                                                c.heartbeat_interval_s, on_refused=self._refused,
-                                               secret=c.secret, tls=self.tls)
+                                               secret=c.secret, tls=self.tls, kv_events=kv_events)
 
     def load(self) -> pb.LoadStats:
         """The service's load, unhealthy too when the gRPC server thread is gone."""

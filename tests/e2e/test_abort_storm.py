@@ -19,9 +19,14 @@ NUM_CLIENTS = 200
 MAX_TOKENS = 64
 
 
-@pytest.fixture(scope="module", params=["tcp"])
+@pytest.fixture(scope="module", params=["tcp", "tcp-prefix-caching"])
 def storm_cluster(request, tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("storm"), num_prefill=1, num_decode=1, transfer_engine=request.param)
+    """1P1D over tcp; the second run with prefix caching and KV-aware routing: the storm's
+    prompts repeat, so aborted transfers land next to held, shared prefix blocks."""
+    cached = request.param.endswith("prefix-caching")
+    c = start_cluster(tmp_path_factory.mktemp("storm"), num_prefill=1, num_decode=1, transfer_engine="tcp",
+                      worker_args=("--prefix-caching",) if cached else (),
+                      router_args=("--policy", "kv") if cached else ())
     yield c
     stop_cluster(c)
 

@@ -1,10 +1,13 @@
-"""Prefix caching on the prefill worker (``--prefix-caching``), end to end: a repeated long
-system prompt and a second turn are computed only past their cached prefix, greedy output
-equals the single-process engine's, the KV still reaches the decode worker whole, and every
-block is free again (cached blocks count as free)."""
+"""Prefix caching on both workers (``--prefix-caching``) with KV-aware routing (``--policy kv``),
+end to end: a repeated long system prompt and later turns are computed by the prefill worker only
+past its cached prefix and sent to the decode worker only past the blocks it holds (delta
+transfer); greedy output equals the single-process engine's (which has no cache) turn by turn;
+the router indexes both workers' caches; every block is free again (cached blocks count as
+free)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from tests.e2e.conftest import assert_pools_full, openai_client, start_cluster, stop_cluster, worker_stats
@@ -18,13 +21,13 @@ SYSTEM = "You are a meticulous assistant who answers in plain words. " * 12
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = start_cluster(tmp_path_factory.mktemp("prefix"), num_prefill=1, num_decode=1, transfer_engine="auto",
-                      worker_args=("--prefix-caching",))
+                      worker_args=("--prefix-caching",), router_args=("--policy", "kv"))
     yield c
     stop_cluster(c)
 
 
-def _prefill_counter(cluster, name: str) -> float:
-    return sum(s.counters.get(name, 0.0) for role, s in worker_stats(cluster).values() if role == "prefill")
+def _prefill_counter(cluster, name: str, role: str = "prefill") -> float:
+    return sum(s.counters.get(name, 0.0) for r, s in worker_stats(cluster).values() if r == role)
 
 
 def test_repeated_prefix_is_not_recomputed_and_output_is_unchanged(cluster, tokenizer, reference):
@@ -44,4 +47,38 @@ def test_repeated_prefix_is_not_recomputed_and_output_is_unchanged(cluster, toke
     second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12, temperature=0)
     assert second.choices[0].message.content == reference(ids2, 12).text
     assert _prefill_counter(cluster, "prefix_hit_tokens") - hits_before > hit   # turn 2 hit the system prompt
+    assert_pools_full(cluster)
+
+
+def test_later_turns_send_only_what_the_decode_worker_lacks(cluster, tokenizer, reference):
+    """Four turns of one conversation: each turn's text equals the engine's, and from turn 2 on
+    the decode worker holds the earlier turns (its own decoded answers included), so the KV
+    sent is a small fraction of the prompt's."""
+    client = openai_client(cluster)
+    per_block = None
+    messages = [{"role": "user", "content": "Name three rivers of Europe and say where they flow."}]
+    for turn, follow_up in enumerate(["Which one is the longest?", "How long is it, in kilometres?",
+                                      "Thank you. Summarize our talk in one sentence.", None]):
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        sent, skipped, held = (_prefill_counter(cluster, "kv_bytes_sent"), _prefill_counter(cluster, "kv_bytes_skipped"),
+                               _prefill_counter(cluster, "blocks_held_at_reserve", "decode"))
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+        text = reply.choices[0].message.content
+        assert text == reference(ids, 32).text, f"turn {turn + 1}"
+        sent = _prefill_counter(cluster, "kv_bytes_sent") - sent
+        skipped = _prefill_counter(cluster, "kv_bytes_skipped") - skipped
+        held = _prefill_counter(cluster, "blocks_held_at_reserve", "decode") - held
+        blocks = -(-len(ids) // 16)
+        if turn == 0:
+            per_block = sent / blocks
+        else:   # the earlier prompt and most of the earlier answers are held, not sent
+            assert held >= len(prev) // 16 and skipped == held * per_block
+            assert sent == (blocks - held) * per_block and sent <= 0.4 * blocks * per_block, (turn, sent, blocks)
+        prev = ids
+        if follow_up is None:
+            break
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": follow_up}]
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert 'pdserve_prefix_cache_hits_total{role="decode"}' in metrics
+    assert "pdserve_worker_prefix_cache_blocks{" in metrics   # the router indexes the workers' caches
     assert_pools_full(cluster)

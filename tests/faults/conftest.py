@@ -16,9 +16,10 @@ from tests.require import unavailable
 
 HTTP_PORT, REGISTRY_PORT, WORKER_PORT, TRANSFER_PORT = 8000, 50050, 50051, 50061
 ROUTER_FLAGS = ("--dead-after-s", "3", "--heartbeat-interval-s", "0.5", "--max-attempts", "4",
-                "--queue-timeout-s", "30", "--prefill-timeout-s", "20")
+                "--queue-timeout-s", "30", "--prefill-timeout-s", "20", "--policy", "kv")
 WORKER_FLAGS = ("--transfer-engine", "tcp", "--num-blocks", "512", "--heartbeat-interval-s", "0.5",
-                "--prefill-timeout-s", "15", "--quarantine-s", "20", "--transfer-timeout-s", "20")
+                "--prefill-timeout-s", "15", "--quarantine-s", "20", "--transfer-timeout-s", "20",
+                "--prefix-caching")   # caching on: retries and migrations reuse cached prefixes
 
 
 @dataclass

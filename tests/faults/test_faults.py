@@ -1,4 +1,6 @@
-"""Membership and failures across network namespaces, under a steady stream of greedy requests.
+"""Membership and failures across network namespaces, under a steady stream of greedy requests,
+with prefix caching on every worker and KV-aware routing (the prompts repeat: retried,
+migrated and new requests hold cached prefixes while workers die, drain and join).
 
 Phases, in order, each with its own stream of streaming requests from the client namespace:
 kill -9 a decode worker mid-stream; kill -9 a prefill worker mid-transfer; add a decode worker;
@@ -170,6 +172,9 @@ def test_restart_router(fault_cluster, workload):
     for r in results:  # only streams cut by the router's own exit may fail, with a clear error
         if r["error"]:
             assert r["status"] == 200 and r["chunks"] > 0, r
+    # the new router rebuilt its KV index from the workers' snapshots
+    wait_for(lambda: _metric(fault_cluster.probe(), "pdserve_worker_prefix_cache_blocks") > 0, 20,
+             "the restarted router to index the workers' prefix caches")
     # after the restart the rebuilt cluster serves everything
     _run_phase(fault_cluster, workload, "after-restart", lambda: None, n=8)
 

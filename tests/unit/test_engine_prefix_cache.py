@@ -54,3 +54,41 @@ def test_a_block_is_never_handed_out_twice_by_eviction_while_referenced():
     assert alloc.num_free == 2
     with pytest.raises(ValueError, match="not allocated"):
         alloc.register(b, b"x" * 16)
+
+
+def test_kv_events_report_stored_and_evicted_hashes_and_snapshots():
+    alloc = BlockAllocator(3)
+    with pytest.raises(RuntimeError):
+        alloc.take_events()
+    alloc.track_events(max_events=8)
+    hs = block_hashes(list(range(64)), 16)          # 4 chained hashes
+    blocks = alloc.allocate(3)
+    for b, h in zip(blocks, hs):
+        alloc.register(b, h)
+    alloc.register(blocks[0], hs[0])                 # already held: no new event
+    assert alloc.take_events() == (False, hs[:3], [])
+    assert alloc.take_events() == (False, [], [])
+    alloc.free(blocks)                               # cached, still held: no event
+    [b] = alloc.allocate(1)                          # evicts the least recently used (hs[0])
+    alloc.register(b, hs[3])
+    snap, stored, removed = alloc.take_events()
+    assert not snap and stored == [hs[3]] and removed == [hs[0]]
+    assert alloc.take_events(snapshot=True) == (True, sorted(hs[1:], key=hs.index), [])
+    # evicted then cached again between two calls: only the last change counts
+    alloc.free([b])
+    again = alloc.allocate(3)                        # evicts hs[1], hs[2], hs[3]
+    alloc.register(again[0], hs[1])
+    snap, stored, removed = alloc.take_events()
+    assert stored == [hs[1]] and sorted(removed) == sorted(hs[2:])
+
+
+def test_kv_event_log_overflow_turns_into_a_snapshot():
+    alloc = BlockAllocator(8)
+    alloc.track_events(max_events=2)
+    hs = block_hashes(list(range(16 * 5)), 16)
+    blocks = alloc.allocate(5)
+    for b, h in zip(blocks, hs):
+        alloc.register(b, h)
+    snap, stored, removed = alloc.take_events()
+    assert snap and sorted(stored) == sorted(hs) and removed == []
+    assert alloc.take_events() == (False, [], [])

@@ -69,3 +69,49 @@ def test_make_policy():
     assert make_policy("round_robin").name == "round_robin"
     with pytest.raises(ValueError):
         make_policy("random")
+
+
+def _events(snapshot=False, stored=(), removed=()):
+    from rpc import pdserve_pb2 as pb
+    return pb.KVEvents(snapshot=snapshot, stored=list(stored), removed=list(removed))
+
+
+def test_kv_index_needs_a_snapshot_first_then_applies_events():
+    from router.kvindex import KVIndex
+    idx = KVIndex()
+    h = [bytes([i]) * 16 for i in range(5)]
+    assert idx.apply("d0", _events(stored=h[:2]))          # no snapshot yet: asks for one
+    assert idx.overlap("d0", h) == 0
+    assert not idx.apply("d0", _events(snapshot=True, stored=h[:3]))
+    assert idx.overlap("d0", h) == 3 and idx.overlap("d0", [h[4]] + h[:3]) == 0   # leading blocks only
+    assert not idx.apply("d0", _events(stored=[h[3]], removed=[h[1]]))
+    assert idx.overlap("d0", h) == 1 and idx.sizes() == {"d0": 3} and idx.evictions == {"d0": 1}
+    idx.drop("d0")
+    assert idx.overlap("d0", h) == 0 and idx.apply("d0", _events(stored=h))
+
+
+def test_kv_policy_weighs_cached_blocks_against_load():
+    from router.kvindex import KVIndex
+    from router.policy import KVPolicy
+    idx = KVIndex()
+    h = [bytes([i]) * 16 for i in range(10)]
+    idx.apply("d1", _events(snapshot=True, stored=h[:8]))
+    idx.apply("p1", _events(snapshot=True, stored=h[:6]))
+    pol = make_policy("kv", idx)
+    assert isinstance(pol, KVPolicy) and pol.uses_hashes
+    # d1 holds 8 of the 10 blocks: 2 to receive + 15 in use beats 10 + 10
+    ds = [member("d0", "decode", free_blocks=90, total_blocks=100), member("d1", "decode", free_blocks=85, total_blocks=100)]
+    assert ids(pol.order_decode(ds, Inflight(), 10, h)) == ["d1", "d0"]
+    # ... unless it is much busier
+    busy = [ds[0], member("d1", "decode", free_blocks=40, total_blocks=100)]
+    assert ids(pol.order_decode(busy, Inflight(), 10, h)) == ["d0", "d1"]
+    # ... or cannot hold what it lacks
+    full = [ds[0], member("d1", "decode", free_blocks=1, total_blocks=100)]
+    assert ids(pol.order_decode(full, Inflight(), 10, h)) == ["d0", "d1"]
+    # prefill: 4 blocks to compute + 32 queued tokens (2 blocks) beats 10 blocks
+    ps = [member("p0", "prefill"), member("p1", "prefill", queued_prompt_tokens=32)]
+    assert ids(pol.order_prefill(ps, Inflight(), 10, h)) == ["p1", "p0"]
+    # no index (no hashes): load only
+    assert ids(pol.order_prefill(ps, Inflight(), 10, ())) == ["p0", "p1"]
+    with pytest.raises(ValueError):
+        make_policy("kv")
