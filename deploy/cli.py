@@ -64,7 +64,9 @@ def _up(args: argparse.Namespace) -> int:
             threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
             grace_s=args.grace, serving_mode=args.serving_mode,
             colocated_threshold_tokens=args.colocated_threshold_tokens,
-            cpu_affinity=args.cpu_affinity)
+            cpu_affinity=args.cpu_affinity,
+            worker_args=("--prefix-caching",) if args.prefix_caching else (),
+            router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -187,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                         "auto: prompts under --colocated-threshold-tokens colocated")
     u.add_argument("--colocated-threshold-tokens", type=int, default=0,
                    help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
+    u.add_argument("--prefix-caching", action="store_true",
+                   help="prefix caching on every worker (recompute and resend only what no cache "
+                        "holds) and KV-aware routing (--policy kv unless --policy says otherwise)")
+    u.add_argument("--policy", default=None, choices=["load", "kv", "round_robin"],
+                   help="the router's placement policy (default: kv with --prefix-caching, else load)")
     u.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once up, send QUESTION through the OpenAI API and print the answer; keep serving")
     u.add_argument("--cpu-affinity", type=_cpu_list, default=(), metavar="CPU,CPU,...",

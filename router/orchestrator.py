@@ -213,7 +213,7 @@ class Orchestrator:
         failed: set[str] = set()
         runs = [_Run(req, self.tokenizer.detokenizer(req.stop, req.min_tokens), stop_ids, index=i,
                      failed_workers=failed) for i in range(req.n)]
-        path = self._path(len(req.prompt_token_ids))
+        path = self._path(req.prompt_token_ids)
         self.metrics.requests_by_path.labels(path.value).inc()
         attempt = failures = 0
         while True:
@@ -270,7 +270,7 @@ class Orchestrator:
                                                           firsts if forked else ())
             else:
                 await self.admission.acquire(
-                    lambda since: self._place_colocated(hold, len(prompt), lead.failed_workers, since))
+                    lambda since: self._place_colocated(hold, prompt, lead.failed_workers, since))
                 stream = self._client(hold.decode).generate(rid, prompt, sampling, self.config.decode_timeout_s)
             async with aclosing(self._stream(stream, hold, runs)) as deltas:
                 async for delta in deltas:
@@ -291,10 +291,19 @@ class Orchestrator:
             if not hold.done and hold.decode is not None:
                 self._spawn(self._release(hold))
 
-    def _path(self, prompt_tokens: int) -> ServingPath:
+    def _path(self, prompt: tuple[int, ...]) -> ServingPath:
+        """``auto`` mode: the tokens to compute are the prompt's minus the longest prefix a
+        decode worker holds (`router.serving`)."""
         c = self.config
         pair = c.serving_mode == "auto" and bool(self._decode_candidates())
-        return choose_path(c.serving_mode, c.colocated_threshold_tokens, prompt_tokens, pair)
+        to_compute = len(prompt)
+        if c.serving_mode == "auto" and pair and to_compute >= c.colocated_threshold_tokens > 0:
+            caching = [d for d in self.membership.routable("decode") if d.prefix_caching]
+            if caching:
+                bs = max(1, caching[0].block_size)
+                hashes = block_hashes(prompt, bs)
+                to_compute -= bs * max(self.membership.kv_index.overlap(d.worker_id, hashes) for d in caching)
+        return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair)
 
     def _sampling(self, runs: list[_Run], remaining: int) -> pb.SamplingParams:
         run = runs[0]
@@ -366,7 +375,7 @@ class Orchestrator:
             return True
         return None
 
-    async def _place_colocated(self, hold: _Holding, num_tokens: int, avoid: set[str],
+    async def _place_colocated(self, hold: _Holding, prompt: list[int], avoid: set[str],
                                since: float) -> bool | None:
         decodes = self.membership.routable("decode")
         if not decodes:
@@ -375,8 +384,11 @@ class Orchestrator:
         open_ = [d for d in decodes if self._generating[d.worker_id] < self.config.decode_inflight_requests]
         if not open_:
             return None
-        need = -(-num_tokens // max(1, decodes[0].block_size))
-        hold.decode = _last(self.policy.order_decode(open_, self.inflight, need), avoid)[0]
+        bs = max(1, decodes[0].block_size)
+        need = -(-len(prompt) // bs)
+        if self.policy.uses_hashes and hold.hashes is None:
+            hold.hashes = block_hashes(prompt, bs)
+        hold.decode = _last(self.policy.order_decode(open_, self.inflight, need, hold.hashes or ()), avoid)[0]
         hold.colocated = True
         self._generating[hold.decode.worker_id] += 1
         self.inflight.add_reservation(hold.decode, need)  # until heartbeats show its load

@@ -11,8 +11,12 @@ The router's ``serving_mode`` (`RouterConfig`) picks between them per request:
 
 - ``disaggregated`` (default): always the disaggregated path.
 - ``colocated``: always the colocated path; prefill workers are not needed.
-- ``auto``: prompts with fewer than ``colocated_threshold_tokens`` tokens go colocated, the rest
-  disaggregated; when no linked (prefill, decode) pair exists, every request goes colocated.
+- ``auto``: prompts with fewer than ``colocated_threshold_tokens`` tokens *to compute* go
+  colocated, the rest disaggregated; when no linked (prefill, decode) pair exists, every request
+  goes colocated. Tokens to compute are the prompt's minus the longest prefix a decode worker
+  holds in its prefix cache (the router's KV index), as Dynamo's conditional disaggregation:
+  a later turn of a conversation, whose earlier turns and answers sit on its decode worker, is
+  prefilled there (only its new message) instead of recomputed and sent by a prefill worker.
 
 In ``colocated`` and ``auto`` modes a decode worker is routable as soon as it registers (it
 needs no prefill peer for Generate), so /health only asks for one decode worker.

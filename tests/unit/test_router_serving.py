@@ -87,3 +87,26 @@ def test_health_with_a_decode_worker_only(mode, status):
         r = client.get("/health")
         assert r.status_code == status and r.json()["decode"] == (0 if status == 503 else 1)
         assert "pdserve_requests_by_path" in client.get("/metrics").text
+
+
+def test_auto_mode_counts_only_tokens_past_the_prefix_a_decode_worker_holds():
+    """Conditional disaggregation: a later turn whose history its decode worker holds is
+    prefilled there; the same prompt with nothing cached goes to a prefill worker."""
+    from engine.block_hash import block_hashes
+    from router.metrics import RouterMetrics
+    from router.orchestrator import Orchestrator
+    from router.policy import make_policy
+
+    m = Membership(standalone_decode=True)
+    p, _ = m.register(info("p0", pb.PREFILL))
+    d_info = info("d0", pb.DECODE)
+    d_info.prefix_caching = True
+    d, _ = m.register(d_info)
+    assert m.link("p0", "d0", (p.epoch, d.epoch))
+    config = RouterConfig(serving_mode="auto", colocated_threshold_tokens=100, policy="kv")
+    orch = Orchestrator(config, m, None, make_policy("kv", m.kv_index), RouterMetrics(m))
+    prompt = tuple(range(1000, 1300))                       # 300 tokens: 18 full blocks
+    assert orch._path(prompt) is DISAGG                     # nothing held: 300 to compute
+    m.kv_index.apply("d0", pb.KVEvents(snapshot=True, stored=block_hashes(prompt[:256], 16)))
+    assert orch._path(prompt) is COLOCATED                  # 16 blocks held: 44 left
+    assert orch._path(prompt[:50] + prompt) is DISAGG       # another prefix: nothing held
