@@ -6,9 +6,11 @@ Runs the `loadtest.multiturn` workloads (same seed, same sizes) against fresh cl
     run                       cluster  workers           router                         workload
     multiturn/1p1d/off        1P + 1D  -                 --policy load                  multiturn
     multiturn/1p1d/on         1P + 1D  --prefix-caching  --policy kv                    multiturn
-    multiturn/1p1d/on-auto    1P + 1D  --prefix-caching  --policy kv, auto (see below)  multiturn
+    multiturn/1p1d/off-auto   1P + 1D  -                 --policy load, auto (below)    multiturn
+    multiturn/1p1d/on-auto    1P + 1D  --prefix-caching  --policy kv, auto              multiturn
     multiturn/2p2d/off        2P + 2D  -                 --policy load                  multiturn
     multiturn/2p2d/on         2P + 2D  --prefix-caching  --policy kv                    multiturn
+    multiturn/2p2d/off-auto   2P + 2D  -                 --policy load, auto            multiturn
     multiturn/2p2d/on-auto    2P + 2D  --prefix-caching  --policy kv, auto              multiturn
     shared-prefix/2p2d/off    (the multiturn/2p2d/off cluster, after its multiturn run)
     shared-prefix/2p2d/load   2P + 2D  --prefix-caching  --policy load                  shared-prefix
@@ -17,7 +19,8 @@ Runs the `loadtest.multiturn` workloads (same seed, same sizes) against fresh cl
 "auto" is ``--serving-mode auto --colocated-threshold-tokens AUTO_THRESHOLD``: a request whose
 tokens left to compute, past the prefix its decode worker holds, are fewer than the threshold is
 prefilled on that decode worker (conditional disaggregation, `router.serving`); the rest
-(first turns, long new messages) go through a prefill worker as in "on".
+(long new messages) go through a prefill worker as in "on". With caching off the same rule
+sees whole prompts: "off-auto" is its baseline (on-auto is compared with off and off-auto).
 
 Lifecycle per cluster: start it, wait until every worker is connected, warm up, run its
 workloads, stop it before the next one starts; every started cluster is stopped on an error or
@@ -98,10 +101,12 @@ def plan(kv_policy: str = "kv") -> list[ClusterSpec]:
     mt, sp = "multiturn", "shared-prefix"
     return [ClusterSpec("1p1d-off", 1, 1, False, "load", ((f"{mt}/1p1d/off", mt),)),
             ClusterSpec("1p1d-on", 1, 1, True, kv_policy, ((f"{mt}/1p1d/on", mt),)),
+            ClusterSpec("1p1d-off-auto", 1, 1, False, "load", ((f"{mt}/1p1d/off-auto", mt),), auto=True),
             ClusterSpec("1p1d-on-auto", 1, 1, True, kv_policy, ((f"{mt}/1p1d/on-auto", mt),), auto=True),
             ClusterSpec("2p2d-off", 2, 2, False, "load",
                         ((f"{mt}/2p2d/off", mt), (f"{sp}/2p2d/off", sp))),
             ClusterSpec("2p2d-on", 2, 2, True, kv_policy, ((f"{mt}/2p2d/on", mt),)),
+            ClusterSpec("2p2d-off-auto", 2, 2, False, "load", ((f"{mt}/2p2d/off-auto", mt),), auto=True),
             ClusterSpec("2p2d-on-auto", 2, 2, True, kv_policy, ((f"{mt}/2p2d/on-auto", mt),), auto=True),
             ClusterSpec("2p2d-on-load", 2, 2, True, "load", ((f"{sp}/2p2d/load", sp),)),
             ClusterSpec("2p2d-on-kv", 2, 2, True, kv_policy, ((f"{sp}/2p2d/kv", sp),))]
@@ -171,8 +176,8 @@ def verdicts(results: dict[str, dict]) -> list[dict]:
     """Every verdict of the module docstring from the runs' results (by run name)."""
     out = []
     for topo in ("1p1d", "2p2d"):
-        for on in ("on", "on-auto"):
-            out += multiturn_verdicts(f"{topo} {on}", results.get(f"multiturn/{topo}/off"),
+        for off, on in (("off", "on"), ("off", "on-auto"), ("off-auto", "on-auto")):
+            out += multiturn_verdicts(f"{topo} {off} -> {on}", results.get(f"multiturn/{topo}/{off}"),
                                       results.get(f"multiturn/{topo}/{on}"))
     out.append(shared_prefix_verdict(results.get("shared-prefix/2p2d/load"),
                                      results.get("shared-prefix/2p2d/kv")))

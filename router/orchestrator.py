@@ -276,6 +276,7 @@ class Orchestrator:
                 async for delta in deltas:
                     yield delta
             hold.done = True
+            self._predict_finished(hold, prompt, runs)
         except WorkerRejected as exc:
             raise InvalidRequest(f"the worker rejected the request: {exc.details}") from exc
         except _Retry:
@@ -368,6 +369,9 @@ class Orchestrator:
             hold.prefill = _last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
             hold.prefill_tokens = num_tokens
             self.inflight.add_reservation(d, len(hold.reservation.block_ids) - hold.reservation.num_held_blocks)
+            if hold.hashes:   # they are about to be cached there (router.kvindex)
+                self.membership.kv_index.predict(d.worker_id, hold.hashes)
+                self.membership.kv_index.predict(hold.prefill.worker_id, hold.hashes)
             if d.prefix_caching:
                 self.metrics.prefix_query_tokens.labels("decode").inc(num_tokens)
                 self.metrics.prefix_hit_tokens.labels("decode").inc(hold.reservation.num_held_blocks * bs)
@@ -390,9 +394,23 @@ class Orchestrator:
             hold.hashes = block_hashes(prompt, bs)
         hold.decode = _last(self.policy.order_decode(open_, self.inflight, need, hold.hashes or ()), avoid)[0]
         hold.colocated = True
+        if hold.hashes:
+            self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes)
         self._generating[hold.decode.worker_id] += 1
         self.inflight.add_reservation(hold.decode, need)  # until heartbeats show its load
         return True
+
+    def _predict_finished(self, hold: _Holding, prompt: list[int], runs: list[_Run]) -> None:
+        """KV-aware routing: the decode worker now caches the prompt and what it decoded (all
+        but the last token, whose K/V was never computed); tell the index before its events do."""
+        if hold.hashes is None or hold.decode is None or not hold.decode.prefix_caching:
+            return
+        bs = max(1, hold.decode.block_size)
+        for run in runs:
+            tokens = list(run.req.prompt_token_ids) + run.generated   # starts with ``prompt``
+            more = block_hashes(tokens[:len(tokens) - 1], bs, start=len(hold.hashes),
+                                parent=hold.hashes[-1] if hold.hashes else b"")
+            self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes + more)
 
     def _decode_candidates(self) -> list[Member]:
         prefills = {m.worker_id for m in self.membership.routable("prefill")}

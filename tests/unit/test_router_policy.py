@@ -115,3 +115,20 @@ def test_kv_policy_weighs_cached_blocks_against_load():
     assert ids(pol.order_prefill(ps, Inflight(), 10, ())) == ["p0", "p1"]
     with pytest.raises(ValueError):
         make_policy("kv")
+
+
+def test_kv_index_predictions_count_until_they_expire_or_are_evicted():
+    from router.kvindex import KVIndex
+    now = [100.0]
+    idx = KVIndex(clock=lambda: now[0])
+    h = [bytes([i]) * 16 for i in range(4)]
+    idx.predict("d0", h)                                   # not indexed yet: ignored
+    assert idx.overlap("d0", h) == 0
+    idx.apply("d0", _events(snapshot=True, stored=h[:1]))
+    idx.predict("d0", h[:3], ttl_s=5.0)
+    assert idx.overlap("d0", h) == 3
+    idx.apply("d0", _events(removed=[h[1]]))               # evicted: the prediction goes too
+    assert idx.overlap("d0", h) == 1
+    idx.predict("d0", h[1:3], ttl_s=5.0)
+    now[0] += 5.0                                          # expired
+    assert idx.overlap("d0", h) == 1
