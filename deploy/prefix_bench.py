@@ -223,7 +223,7 @@ def run_cluster(spec: ClusterSpec, items: dict, sizes: Sizes, args, out: dict[st
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deploy.prefix_bench",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="results/prefix-bench", help="directory for JSON and logs")
+    p.add_argument("--out", default="bench-results/prefix-bench", help="directory for JSON and logs")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks per worker")
