@@ -38,24 +38,20 @@ through their `Sink`.
 
 from __future__ import annotations
 
-import enum
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
+from decode.state import (DecodeArrivals, DecodeLoad, QueueSink, Reservation, ResState,  # noqa: F401
+                          Sink)   # QueueSink, Sink: re-exported
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import Generator, StepOutput, validate_request
 from engine.grammar import Grammars, matcher_for
-from engine.ids import BlockId
 from engine.kv_cache import block_hashes, blocks_needed
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
-from kvtransfer import (CompletionCounter, KVTransferError, PeerLostError, SlotState, TransferError,
-                        TransferTimeout)
+from kvtransfer import KVTransferError, PeerLostError, SlotState, TransferError, TransferTimeout
 from worker.errors import DrainingError, UnknownRequestError
 from worker.gate import StepGate
 from worker.liveness import LoopWatch
@@ -65,101 +61,6 @@ from worker.validate import check_request_id
 log = logging.getLogger(__name__)
 
 MAX_WRITES_PER_REQUEST = 1 << 24   # far above any plan: layers x 2 x blocks
-
-
-class ResState(enum.IntEnum):
-    RESERVED = 0
-    WAITING_KV = 1
-    DECODING = 2
-    FAILED = 3
-    DONE = 4
-
-
-_NEXT = {
-    ResState.RESERVED: {ResState.WAITING_KV, ResState.FAILED},
-    ResState.WAITING_KV: {ResState.DECODING, ResState.FAILED},
-    ResState.DECODING: {ResState.DONE},
-    ResState.FAILED: set(),
-    ResState.DONE: set(),
-}
-
-
-class Sink(Protocol):
-    """Where a request's outputs go: `StepOutput` items (the last has ``finish_reason``), or
-    one `KVTransferError` when its transfer failed. ``put`` is called from the decode loop and
-    RPC threads; it must not block."""
-
-    def put(self, item: StepOutput | KVTransferError) -> None: ...
-
-
-@dataclass
-class Reservation:
-    """Blocks and a transfer slot held for one request until its KV arrives, then the request.
-
-    ``deadline``: monotonic seconds at which a RESERVED reservation expires; ``sink`` is set by
-    Decode / Generate."""
-
-    request_id: str
-    blocks: list[BlockId]
-    slot: int
-    generation: int
-    num_prompt_tokens: int
-    deadline: float
-    state: ResState = ResState.RESERVED
-    writer_stopped: bool = False
-    sink: Sink | None = None
-    detached: bool = False   # its stream ended early: nobody reads it any more
-    first_token: int | list[int] = 0   # n > 1: one per choice
-    prompt_token_ids: list[int] | None = None
-    params: SamplingParams | None = None
-    num_held: int = 0   # blocks[:num_held] came from the prefix cache: no transfer writes them
-    reserved_prompt: list[int] | None = None   # the prompt given at Reserve (Decode must repeat it)
-
-    def move(self, new: ResState) -> None:
-        if new not in _NEXT[self.state]:
-            raise AssertionError(f"reservation {self.request_id}: {self.state.name} -> {new.name}")
-        self.state = new
-
-
-@dataclass(frozen=True)
-class DecodeLoad:
-    """A decode worker's load: blocks, sequences decoding or queued, reservations not decoding."""
-
-    free_blocks: int
-    total_blocks: int
-    running: int
-    waiting_kv: int
-    reserved_blocks: int
-    draining: bool
-
-
-class DecodeArrivals:
-    """The transfer engine's arrival sink for a decode worker: immediates go to a
-    `CompletionCounter` of ``num_slots`` transfer slots; a slot that completes or fails calls the
-    ``on_done`` callbacks (the decode loop wakes up), and a writer's lost connection also reaches
-    the ``on_lost`` callbacks (the decode worker frees quarantined blocks that writer was the last
-    to touch). Callbacks run on engine threads and must not block."""
-
-    def __init__(self, num_slots: int):
-        self.counter = CompletionCounter(num_slots, on_done=self._done)
-        self.on_done: list = []
-        self.on_lost: list = []
-        self.lost: set[str] = set()   # writers whose connection ended and that have not written since
-
-    def _done(self, slot, generation, state) -> None:
-        for callback in list(self.on_done):
-            callback()
-
-    def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
-        if source in self.lost:   # it connected again
-            self.lost.discard(source)
-        self.counter.on_immediate(imm, source, count)
-
-    def on_peer_lost(self, source: str, error: TransferError) -> None:
-        self.lost.add(source)
-        self.counter.on_peer_lost(source, error)
-        for callback in list(self.on_lost):
-            callback(source)
 
 
 class DecodeWorker:
@@ -520,13 +421,3 @@ class DecodeWorker:
                 self._lock.yield_to_waiters()   # RPCs (Abort, load, Stats) go before the next step
             else:
                 self._wake.wait(0.25)
-
-
-class QueueSink:
-    """A `Sink` over a ``queue.SimpleQueue`` (tests and blocking readers)."""
-
-    def __init__(self) -> None:
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-
-    def put(self, item) -> None:
-        self.items.put(item)

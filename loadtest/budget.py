@@ -55,7 +55,7 @@ BUCKETS: list[tuple[str, str, tuple[str, ...]]] = [
                                "engine/quant.py", "engine/linear.py", "engine/generator.py")),
     ("decode", "kv receive", ("kvtransfer/",)),
     ("decode", "gRPC", ("grpc/", "rpc/pdserve_pb2", "decode/service.py", "worker/status.py", "worker/sink.py")),
-    ("decode", "worker bookkeeping", ("decode/worker.py", "worker/")),
+    ("decode", "worker bookkeeping", ("decode/worker.py", "decode/state.py", "worker/")),
     ("prefill", "engine step", ("engine/model.py", "engine/attention.py", "engine/sampling.py",
                                 "engine/quant.py", "engine/linear.py")),
     ("prefill", "kv send", ("kvtransfer/",)),

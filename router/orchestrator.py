@@ -55,55 +55,11 @@ from router.errors import InvalidRequest, NoWorkers, UpstreamError
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
 from router.policy import Inflight, Policy
+from router.request import Delta, GenerationRequest  # noqa: F401  (re-exported)
 from router.serving import ServingPath, choose_path
 from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated request. ``stop``: stop strings (handled here); ``max_tokens`` and
-    ``min_tokens`` count every generated token including the first; ``logprobs``: top
-    logprobs per token (None: none). The rest means what `engine.sampling.SamplingParams` says."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    grammar: str = ""
-    n: int = 1
-
-
-@dataclass(frozen=True)
-class Delta:
-    """A piece of output: new token ids and the text safe to show. The last delta of a request
-    has ``finish_reason`` ("stop" | "length"); ``completion_tokens`` counts tokens so far;
-    ``logprobs``: one per token of ``token_ids`` when the request asked for logprobs;
-    ``prompt_logprobs`` (first delta of choice 0, when asked for): one per prompt token after the
-    first; ``index``: the choice (n > 1) it belongs to, ``completion_tokens`` counting that choice's."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: tuple[pb.TokenLogprobs, ...] = ()
-    prompt_logprobs: tuple[pb.TokenLogprobs, ...] | None = None
-    index: int = 0
-
 
 class _Retry(Exception):
     """This placement failed in a way another pair may not; retry if attempts remain."""

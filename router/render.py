@@ -8,7 +8,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from router.errors import RouterError
-from router.orchestrator import Delta, GenerationRequest
+from router.request import Delta, GenerationRequest
 from router.responses import (LogprobsBuilder, Shape, merge_logprobs, router_error_body, sse,
                               vllm_prompt_logprobs)
 from router.tools import parse_calls
