@@ -125,7 +125,8 @@ class DecodeWorker:
         if prompt_token_ids:
             vocab = self._model.vocab_size
             if len(prompt_token_ids) != num_prompt_tokens or not all(0 <= t < vocab for t in prompt_token_ids):
-                raise InvalidRequestError(f"prompt_token_ids must be {num_prompt_tokens} token ids in [0, {vocab})")
+                raise InvalidRequestError(f"prompt_token_ids must be {num_prompt_tokens} token ids "
+                                          f"in [0, {vocab})")
         bs, alloc = self.res.pool.block_size, self.res.pool.allocator
         need = blocks_needed(num_prompt_tokens, bs)
         hashes = (block_hashes(prompt_token_ids, bs)
@@ -136,22 +137,20 @@ class DecodeWorker:
                 raise DrainingError("decode worker is draining")
             if request_id in self._reservations:
                 raise InvalidRequestError(f"request {request_id!r} is already reserved")
-            held = alloc.lookup(hashes) if hashes else []
-            blocks = alloc.try_allocate(need - len(held))
-            if blocks is None:
-                alloc.free(held)
-                raise CapacityError(f"KV pool full: {need - len(held)} blocks requested, "
+            taken = alloc.allocate_after_prefix(hashes, need)
+            if taken is None:
+                raise CapacityError(f"KV pool full: {need} blocks requested (less any cached), "
                                     f"{alloc.num_free} of {alloc.num_blocks} free")
-            blocks = held + blocks
+            blocks, held = taken
             try:
                 slot, generation = self.counter.acquire(lease)
             except TransferError as exc:
                 alloc.free(blocks)
                 raise CapacityError(str(exc)) from exc
             r = Reservation(request_id, blocks, slot, generation, num_prompt_tokens,
-                            time.monotonic() + lease, num_held=len(held),
+                            time.monotonic() + lease, num_held=held,
                             reserved_prompt=list(prompt_token_ids) if prompt_token_ids else None)
-            self.metrics["blocks_held_at_reserve"] += len(held)
+            self.metrics["blocks_held_at_reserve"] += held
             self._reservations[request_id] = r
             return r
 

@@ -143,6 +143,21 @@ class BlockAllocator:
                 self._hash_of[block] = block_hash
                 self._event(block_hash, True)
 
+    def allocate_after_prefix(self, hashes: Sequence[bytes], n: int) -> tuple[list[BlockId], int] | None:
+        """``n`` blocks for a sequence: the cached blocks of the longest cached prefix of
+        ``hashes`` (`lookup`), then fresh ones (`try_allocate`). Returns ``(blocks, hits)``,
+        the ``hits`` cached ones first, or None when the pool cannot hold the rest now
+        (nothing taken). Raises `ValueError` when the prefix is longer than ``n`` blocks."""
+        hit = self.lookup(hashes) if hashes else []
+        if len(hit) > n:
+            self.free(hit)
+            raise ValueError(f"a cached prefix of {len(hit)} blocks does not fit in {n}")
+        rest = self.try_allocate(n - len(hit))
+        if rest is None:
+            self.free(hit)
+            return None
+        return hit + rest, len(hit)
+
     def track_events(self, max_events: int = 1 << 16) -> None:
         """Start recording cache events for `take_events`; past ``max_events`` distinct hashes
         between two calls the log overflows and the next call returns a snapshot."""

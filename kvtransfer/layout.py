@@ -68,9 +68,15 @@ class KVLayout:
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block id across the pool: every layer, K and V (``num_layers * 2 *
+        block_bytes``); what a transfer moves per block."""
+        return self.num_layers * 2 * self.block_bytes
+
+    @property
     def total_bytes(self) -> int:
         """Bytes of the whole pool."""
-        return self.num_layers * 2 * self.num_blocks * self.block_bytes
+        return self.num_blocks * self.bytes_per_block
 
     def offset(self, layer: int, kv: int, block: int) -> int:
         """Byte offset of ``block`` of (``layer``, ``kv``) from the start of the pool.

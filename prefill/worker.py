@@ -104,7 +104,7 @@ class PrefillWorker:
             raise TransferError(f"decode worker {decode_worker_id} registered no memory")
         region = info.regions[0]
         local = self.res.layout
-        per_block = local.num_layers * 2 * local.block_bytes
+        per_block = local.bytes_per_block
         if region.length % per_block:
             raise TransferError(f"decode pool of {region.length} bytes is not a whole number of blocks "
                                 f"of this layout ({per_block} bytes)")
@@ -285,19 +285,15 @@ class PrefillWorker:
         rest. False (nothing taken) when the pool cannot hold it now."""
         alloc, bs = self.res.pool.allocator, self.res.pool.block_size
         need = blocks_needed(len(job.token_ids), bs)
-        hit = []
-        if self.res.config.prefix_caching and job.params.prompt_logprobs is None:
-            job.block_hashes = block_hashes(job.token_ids[:len(job.token_ids) - 1], bs)
-            hit = alloc.lookup(job.block_hashes)
-        rest = alloc.try_allocate(need - len(hit))
-        if rest is None:
-            alloc.free(hit)
+        if self.res.config.prefix_caching and job.params.prompt_logprobs is None and not job.block_hashes:
+            job.block_hashes = block_hashes(job.token_ids[:len(job.token_ids) - 1], bs)   # once per job
+        taken = alloc.allocate_after_prefix(job.block_hashes, need)
+        if taken is None:
             return False
-        job.src_blocks = hit + rest
-        job.num_computed = len(hit) * bs
-        job.num_registered = len(hit)
-        job.prefix_hit_tokens = len(hit) * bs
-        self.metrics["prefix_hit_tokens"] += len(hit) * bs
+        job.src_blocks, hit = taken
+        job.num_registered = hit
+        job.num_computed = job.prefix_hit_tokens = hit * bs
+        self.metrics["prefix_hit_tokens"] += hit * bs
         return True
 
     def _register_full_blocks(self, job: PrefillJob) -> None:
@@ -405,7 +401,7 @@ class PrefillWorker:
                 if not job.stopped:
                     job.num_writes = count_writes(self.res.layout, job.peer.layout, job.src_blocks[job.num_held:],
                                                   job.dst_blocks, self.res.config.max_write_bytes)
-                    job.bytes_skipped = job.num_held * self.res.layout.num_layers * 2 * self.res.layout.block_bytes
+                    job.bytes_skipped = job.num_held * self.res.layout.bytes_per_block
                 self.metrics["kv_bytes_sent"] += job.bytes_posted
                 self.metrics["kv_bytes_skipped"] += job.bytes_skipped
                 self.metrics["prompt_tokens"] += len(job.token_ids)

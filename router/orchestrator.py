@@ -40,7 +40,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -54,7 +54,7 @@ from router.config import RouterConfig
 from router.errors import InvalidRequest, NoWorkers, UpstreamError
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
-from router.policy import Inflight, Policy
+from router.policy import Inflight, Policy, avoid_last
 from router.request import Delta, GenerationRequest  # noqa: F401  (re-exported)
 from router.serving import ServingPath, choose_path
 from rpc import pdserve_pb2 as pb
@@ -169,7 +169,7 @@ class Orchestrator:
         failed: set[str] = set()
         runs = [_Run(req, self.tokenizer.detokenizer(req.stop, req.min_tokens), stop_ids, index=i,
                      failed_workers=failed) for i in range(req.n)]
-        path = self._path(req.prompt_token_ids)
+        path, hashes = self._path(req.prompt_token_ids)
         self.metrics.requests_by_path.labels(path.value).inc()
         attempt = failures = 0
         while True:
@@ -182,7 +182,8 @@ class Orchestrator:
             attempt += 1
             rid = req.request_id if attempt == 1 else f"{req.request_id}~{attempt}"
             try:
-                async with aclosing(self._attempt(rid, group, path)) as deltas:
+                # the prompt's block hashes serve the first attempt (a resumed one has more tokens)
+                async with aclosing(self._attempt(rid, group, path, hashes if attempt == 1 else None)) as deltas:
                     async for delta in deltas:
                         yield delta
             except _Retry as exc:
@@ -198,7 +199,8 @@ class Orchestrator:
             if any(r.finish_reason is None for r in group):
                 raise UpstreamError(f"the stream of {rid} ended before its choices finished")
 
-    async def _attempt(self, rid: str, runs: list[_Run], path: ServingPath) -> AsyncIterator[Delta]:
+    async def _attempt(self, rid: str, runs: list[_Run], path: ServingPath,
+                       hashes: list[bytes] | None = None) -> AsyncIterator[Delta]:
         """One placement of ``runs``: every choice of a fresh request (forked from one prefill), or
         one choice resumed alone."""
         lead = runs[0]
@@ -206,6 +208,7 @@ class Orchestrator:
         remaining = lead.req.max_tokens - len(lead.generated)
         sampling = self._sampling(runs, remaining)
         hold = _Holding(rid)
+        hold.hashes = hashes
         try:
             if path is ServingPath.DISAGGREGATED:
                 await self.admission.acquire(
@@ -232,7 +235,7 @@ class Orchestrator:
                 async for delta in deltas:
                     yield delta
             hold.done = True
-            self._predict_finished(hold, prompt, runs)
+            self._predict_finished(hold, runs)
         except WorkerRejected as exc:
             raise InvalidRequest(f"the worker rejected the request: {exc.details}") from exc
         except _Retry:
@@ -248,19 +251,26 @@ class Orchestrator:
             if not hold.done and hold.decode is not None:
                 self._spawn(self._release(hold))
 
-    def _path(self, prompt: tuple[int, ...]) -> ServingPath:
-        """``auto`` mode: the tokens to compute are the prompt's minus the longest prefix a
-        decode worker holds (`router.serving`)."""
+    def _path(self, prompt: tuple[int, ...]) -> tuple[ServingPath, list[bytes] | None]:
+        """The request's path and, when that needed them, its prompt's block hashes. ``auto``
+        mode: the tokens to compute are the prompt's minus the longest prefix a decode worker
+        holds (`router.serving`)."""
         c = self.config
         pair = c.serving_mode == "auto" and bool(self._decode_candidates())
-        to_compute = len(prompt)
+        to_compute, hashes = len(prompt), None
         if c.serving_mode == "auto" and pair and to_compute >= c.colocated_threshold_tokens > 0:
             caching = [d for d in self.membership.routable("decode") if d.prefix_caching]
             if caching:
                 bs = max(1, caching[0].block_size)
                 hashes = block_hashes(prompt, bs)
                 to_compute -= bs * max(self.membership.kv_index.overlap(d.worker_id, hashes) for d in caching)
-        return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair)
+        return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair), hashes
+
+    def _prompt_hashes(self, hold: _Holding, prompt: list[int], block_size: int) -> Sequence[bytes]:
+        """The attempt's prompt block hashes for a policy that uses them, computed once."""
+        if self.policy.uses_hashes and hold.hashes is None:
+            hold.hashes = block_hashes(prompt, block_size)
+        return hold.hashes or ()
 
     def _sampling(self, runs: list[_Run], remaining: int) -> pb.SamplingParams:
         run = runs[0]
@@ -304,10 +314,8 @@ class Orchestrator:
         room = {p.worker_id for p in prefills}
         bs = max(1, decodes[0].block_size)
         need = -(-num_tokens // bs)
-        if self.policy.uses_hashes and hold.hashes is None:
-            hold.hashes = block_hashes(prompt, bs)
-        hashes = hold.hashes or ()
-        for d in _last(self.policy.order_decode([d for d in decodes if d.peers & room], self.inflight,
+        hashes = self._prompt_hashes(hold, prompt, bs)
+        for d in avoid_last(self.policy.order_decode([d for d in decodes if d.peers & room], self.inflight,
                                                 need, hashes), avoid):
             hold.decode = d   # from here a release aborts whatever Reserve left behind
             try:
@@ -322,7 +330,7 @@ class Orchestrator:
                 hold.decode = None
                 continue
             linked = [p for p in prefills if d.worker_id in p.peers]
-            hold.prefill = _last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
+            hold.prefill = avoid_last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
             hold.prefill_tokens = num_tokens
             self.inflight.add_reservation(d, len(hold.reservation.block_ids) - hold.reservation.num_held_blocks)
             if hold.hashes:   # they are about to be cached there (router.kvindex)
@@ -346,9 +354,8 @@ class Orchestrator:
             return None
         bs = max(1, decodes[0].block_size)
         need = -(-len(prompt) // bs)
-        if self.policy.uses_hashes and hold.hashes is None:
-            hold.hashes = block_hashes(prompt, bs)
-        hold.decode = _last(self.policy.order_decode(open_, self.inflight, need, hold.hashes or ()), avoid)[0]
+        hold.decode = avoid_last(self.policy.order_decode(open_, self.inflight, need,
+                                                     self._prompt_hashes(hold, prompt, bs)), avoid)[0]
         hold.colocated = True
         if hold.hashes:
             self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes)
@@ -356,17 +363,14 @@ class Orchestrator:
         self.inflight.add_reservation(hold.decode, need)  # until heartbeats show its load
         return True
 
-    def _predict_finished(self, hold: _Holding, prompt: list[int], runs: list[_Run]) -> None:
+    def _predict_finished(self, hold: _Holding, runs: list[_Run]) -> None:
         """KV-aware routing: the decode worker now caches the prompt and what it decoded (all
         but the last token, whose K/V was never computed); tell the index before its events do."""
-        if hold.hashes is None or hold.decode is None or not hold.decode.prefix_caching:
-            return
-        bs = max(1, hold.decode.block_size)
-        for run in runs:
-            tokens = list(run.req.prompt_token_ids) + run.generated   # starts with ``prompt``
-            more = block_hashes(tokens[:len(tokens) - 1], bs, start=len(hold.hashes),
-                                parent=hold.hashes[-1] if hold.hashes else b"")
-            self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes + more)
+        if hold.hashes and hold.decode is not None and hold.decode.prefix_caching:
+            for run in runs:   # each choice's tokens start with the attempt's prompt
+                tokens = [*run.req.prompt_token_ids, *run.generated][:-1]
+                self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes + block_hashes(
+                    tokens, hold.decode.block_size, start=len(hold.hashes), parent=hold.hashes[-1]))
 
     def _decode_candidates(self) -> list[Member]:
         prefills = {m.worker_id for m in self.membership.routable("prefill")}
@@ -492,8 +496,3 @@ class Orchestrator:
     async def stats(self, m: Member) -> pb.StatsResponse:
         """``Stats`` of one worker (used by /admin/workers?stats=1). Raises `WorkerCallError`."""
         return await self._client(m).stats(m.role)
-
-
-def _last(members: list[Member], avoid: set[str]) -> list[Member]:
-    """``members`` with those in ``avoid`` moved to the end (order otherwise kept)."""
-    return sorted(members, key=lambda m: m.worker_id in avoid)

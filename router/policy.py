@@ -148,6 +148,12 @@ class KVPolicy(Policy):
         return sorted(prefills, key=key)
 
 
+def avoid_last(members: Sequence[Member], avoid: set[str]) -> list[Member]:
+    """``members`` (a policy's order) with the workers in ``avoid`` (those a failed attempt
+    used) moved to the end, the order otherwise kept."""
+    return sorted(members, key=lambda m: m.worker_id in avoid)
+
+
 def make_policy(name: str, index: KVIndex | None = None) -> Policy:
     """``"load"``, ``"round_robin"`` or ``"kv"`` (over ``index``, the membership's).
     Raises `ValueError` on another name, or "kv" without an index."""

@@ -76,8 +76,7 @@ def _run(prefill, decode, rid: str, prompt: list[int]):
 
 
 def _block_bytes(decode) -> int:
-    layout = decode.res.layout
-    return layout.num_layers * 2 * layout.block_bytes
+    return decode.res.layout.bytes_per_block
 
 
 def test_second_turn_receives_only_the_blocks_the_decode_worker_lacks(pair, smollm, reference):

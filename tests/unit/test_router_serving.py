@@ -106,7 +106,7 @@ def test_auto_mode_counts_only_tokens_past_the_prefix_a_decode_worker_holds():
     config = RouterConfig(serving_mode="auto", colocated_threshold_tokens=100, policy="kv")
     orch = Orchestrator(config, m, None, make_policy("kv", m.kv_index), RouterMetrics(m))
     prompt = tuple(range(1000, 1300))                       # 300 tokens: 18 full blocks
-    assert orch._path(prompt) is DISAGG                     # nothing held: 300 to compute
+    assert orch._path(prompt)[0] is DISAGG                  # nothing held: 300 to compute
     m.kv_index.apply("d0", pb.KVEvents(snapshot=True, stored=block_hashes(prompt[:256], 16)))
-    assert orch._path(prompt) is COLOCATED                  # 16 blocks held: 44 left
-    assert orch._path(prompt[:50] + prompt) is DISAGG       # another prefix: nothing held
+    assert orch._path(prompt)[0] is COLOCATED               # 16 blocks held: 44 left
+    assert orch._path(prompt[:50] + prompt)[0] is DISAGG    # another prefix: nothing held
