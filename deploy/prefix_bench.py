@@ -6,6 +6,7 @@ Runs the `loadtest.multiturn` workloads (same seed, same sizes) against fresh cl
     run                       cluster  workers           router                         workload
     multiturn/1p1d/off        1P + 1D  -                 --policy load                  multiturn
     multiturn/1p1d/on         1P + 1D  --prefix-caching  --policy kv                    multiturn
+    multiturn/1p1d/on-nowarm  1P + 1D  --prefix-caching  --policy kv --no-prefill-warmup multiturn
     multiturn/1p1d/off-auto   1P + 1D  -                 --policy load, auto (below)    multiturn
     multiturn/1p1d/on-auto    1P + 1D  --prefix-caching  --policy kv, auto              multiturn
     multiturn/2p2d/off        2P + 2D  -                 --policy load                  multiturn
@@ -21,6 +22,9 @@ tokens left to compute, past the prefix its decode worker holds, are fewer than 
 prefilled on that decode worker (conditional disaggregation, `router.serving`); the rest
 (long new messages) go through a prefill worker as in "on". With caching off the same rule
 sees whole prompts: "off-auto" is its baseline (on-auto is compared with off and off-auto).
+"on" runs the router's prefix-cache warm-ups (`router.warmup`: the prefill worker computes each
+finished turn's answer into its cache when idle); "on-nowarm" shows the same without them (the
+prefill worker then recomputes the previous answer on the next turn's critical path).
 
 Lifecycle per cluster: start it, wait until every worker is connected, warm up, run its
 workloads, stop it before the next one starts; every started cluster is stopped on an error or
@@ -85,13 +89,14 @@ class ClusterSpec:
     runs: tuple[tuple[str, str], ...]
     """(run name, workload) pairs."""
     auto: bool = False   # conditional disaggregation (serving mode auto, AUTO_THRESHOLD)
+    warmup: bool = True  # the router's prefix-cache warm-ups of prefill workers
 
     def launcher_config(self, num_blocks: int, log_dir: Path) -> LauncherConfig:
         return LauncherConfig(num_prefill=self.num_prefill, num_decode=self.num_decode, http_port=0,
                               registry_port=0, num_blocks=num_blocks, threads=1,
                               log_dir=str(log_dir / self.name), startup_timeout_s=240.0, grace_s=15.0,
                               worker_args=("--prefix-caching",) if self.caching else (),
-                              router_args=("--policy", self.policy),
+                              router_args=("--policy", self.policy) + (() if self.warmup else ("--no-prefill-warmup",)),
                               serving_mode="auto" if self.auto else "disaggregated",
                               colocated_threshold_tokens=AUTO_THRESHOLD if self.auto else 0)
 
@@ -101,6 +106,7 @@ def plan(kv_policy: str = "kv") -> list[ClusterSpec]:
     mt, sp = "multiturn", "shared-prefix"
     return [ClusterSpec("1p1d-off", 1, 1, False, "load", ((f"{mt}/1p1d/off", mt),)),
             ClusterSpec("1p1d-on", 1, 1, True, kv_policy, ((f"{mt}/1p1d/on", mt),)),
+            ClusterSpec("1p1d-on-nowarm", 1, 1, True, kv_policy, ((f"{mt}/1p1d/on-nowarm", mt),), warmup=False),
             ClusterSpec("1p1d-off-auto", 1, 1, False, "load", ((f"{mt}/1p1d/off-auto", mt),), auto=True),
             ClusterSpec("1p1d-on-auto", 1, 1, True, kv_policy, ((f"{mt}/1p1d/on-auto", mt),), auto=True),
             ClusterSpec("2p2d-off", 2, 2, False, "load",
@@ -176,7 +182,8 @@ def verdicts(results: dict[str, dict]) -> list[dict]:
     """Every verdict of the module docstring from the runs' results (by run name)."""
     out = []
     for topo in ("1p1d", "2p2d"):
-        for off, on in (("off", "on"), ("off", "on-auto"), ("off-auto", "on-auto")):
+        extra = (("off", "on-nowarm"),) if topo == "1p1d" else ()
+        for off, on in (("off", "on"), *extra, ("off", "on-auto"), ("off-auto", "on-auto")):
             out += multiturn_verdicts(f"{topo} {off} -> {on}", results.get(f"multiturn/{topo}/{off}"),
                                       results.get(f"multiturn/{topo}/{on}"))
     out.append(shared_prefix_verdict(results.get("shared-prefix/2p2d/load"),

@@ -23,7 +23,9 @@ fixed ``max_tokens``. Lifecycle of a run (`run_workload`):
    requests, errors, TTFT p50/p90 and latency p50 (ms, successful requests), prefill prefix hit
    rate = delta ``prefix_hit_tokens`` / delta ``prompt_tokens``, decode hit rate = delta
    ``prefix_hit_blocks`` / delta ``prefix_lookup_blocks`` (None when nothing was looked up), and
-   delta ``kv_bytes_sent`` / ``kv_bytes_skipped`` per request (bytes).
+   delta ``kv_bytes_sent`` / ``kv_bytes_skipped`` per request (bytes), and delta
+   ``warmup_tokens_computed`` per request (tokens prefill workers computed into their cache in
+   warm-ups after requests finished, off the requests' critical path).
 
 The result dict is JSON-able; ``outputs`` maps ``"<conversation>/<turn>"`` to the answer text.
 """
@@ -48,7 +50,8 @@ from loadtest.sharegpt import GPT_ROLES, HUMAN_ROLES
 
 CHARS_PER_TOKEN = 4  # loadtest.datasets.approx_token_count's estimate
 WORKLOADS = ("multiturn", "shared-prefix")
-COUNTERS = {"prefill": ("prompt_tokens", "prefix_hit_tokens", "kv_bytes_sent", "kv_bytes_skipped"),
+COUNTERS = {"prefill": ("prompt_tokens", "prefix_hit_tokens", "kv_bytes_sent", "kv_bytes_skipped",
+                        "warmup_tokens_computed"),
             "decode": ("prefix_hit_blocks", "prefix_lookup_blocks", "cache_evictions")}
 SKIPPED = "skipped: an earlier turn of this conversation failed"
 
@@ -216,6 +219,7 @@ def summarize(label: str, records: list[dict], delta: dict) -> dict:
             "decode_hit_rate": ratio(dec["prefix_hit_blocks"], dec["prefix_lookup_blocks"]),
             "kv_bytes_sent_per_request": ratio(pre["kv_bytes_sent"], n),
             "kv_bytes_skipped_per_request": ratio(pre["kv_bytes_skipped"], n),
+            "warmup_tokens_per_request": ratio(pre["warmup_tokens_computed"], n),
             "cache_evictions": dec["cache_evictions"]}
 
 
@@ -236,7 +240,8 @@ COLUMNS = (("requests", "requests", "{:d}"), ("errors", "errors", "{:d}"),
            ("lat p50 ms", "latency_p50_ms", "{:.0f}"), ("prompt tok", "prompt_tokens_mean", "{:.0f}"),
            ("P hit", "prefill_hit_rate", "{:.1%}"), ("D hit", "decode_hit_rate", "{:.1%}"),
            ("KV sent/req", "kv_bytes_sent_per_request", "{:,.0f}"),
-           ("KV skip/req", "kv_bytes_skipped_per_request", "{:,.0f}"))
+           ("KV skip/req", "kv_bytes_skipped_per_request", "{:,.0f}"),
+           ("warm tok/req", "warmup_tokens_per_request", "{:.0f}"))
 
 
 def cell(value: object, fmt: str) -> str:

@@ -77,12 +77,13 @@ class PrefillJob:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    peer: DecodePeer
+    peer: DecodePeer | None           # None: a warm-up (`PrefillWorker.warm`): computes, writes nothing
     dst_blocks: list[int]
     slot: int
     generation: int
     deadline: float
     num_held: int = 0                 # leading prompt blocks the decode worker holds: not written
+    warm: bool = False                # a prefix-cache warm-up: no first token, no writes
     state: JobState = JobState.QUEUED
     error: Exception | None = None
     src_blocks: list[BlockId] = field(default_factory=list)

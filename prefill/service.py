@@ -79,6 +79,14 @@ class PrefillService(pb_grpc.PrefillServicer):
         return resp
 
     @unary
+    async def Warm(self, request, context):
+        job = self.worker.warm(request.request_id, list(request.token_ids))
+        await wait_finished(job, None)   # it runs or is dropped; a cancelled call leaves it queued
+        computed = job.num_computed - job.prefix_hit_tokens if job.error is None else 0
+        return pb.WarmResponse(computed_tokens=computed, cached_tokens=job.prefix_hit_tokens,
+                               dropped=job.error is not None)
+
+    @unary
     async def Abort(self, request, context):
         job = self.worker.abort(request.request_id)
         if job is None:

@@ -25,6 +25,13 @@ failed job stops posting at the next layer; it is finished once its posted write
 which is the "abort acknowledged" the decode side's block-reuse rule relies on. A failure of one
 job (its plan, its sampling, its peer) never fails its batch-mates.
 
+Warm-ups (`warm`, prefix caching only): the router hands back a finished request's prompt +
+output so the next turn of the conversation finds its previous answer cached here, not only on
+the decode worker that decoded it. A warm-up computes the full blocks the cache lacks into it and
+writes nothing; it runs only when no prefill is queued, ``warmup_chunk_tokens`` at a time (so a
+prefill arriving waits for one short chunk at most), and is dropped, not run, when it would take
+more than ``_WARMUP_POOL_SHARE`` of the pool or when its own lease passes while queued.
+
 Threads: ``prefill-loop`` (scheduling and forward passes) and ``prefill-sender`` (transfer
 completion and retirement); RPC callers never block: they get the job and a done callback.
 """
@@ -51,7 +58,8 @@ from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, 
                         plan_writes, to_write_ops)
 from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
 from prefill.job import DecodePeer, JobState, PrefillJob
-from worker.errors import DrainingError, PrefillAborted, PrefillError, PrefillTimeout
+from worker.errors import (CacheDisabledError, DrainingError, PrefillAborted, PrefillError, PrefillTimeout,
+                           WarmupDropped)
 from worker.liveness import LoopWatch
 from worker.runtime import WorkerResources
 from worker.validate import check_request_id, check_seconds
@@ -59,6 +67,8 @@ from worker.validate import check_request_id, check_seconds
 log = logging.getLogger(__name__)
 
 _TRANSFER_GRACE_S = 10.0   # how long past its lease the sender waits for a job's posted writes
+_MAX_WARMUPS = 64          # warm-ups queued at most (more: RESOURCE_EXHAUSTED)
+_WARMUP_POOL_SHARE = 0.5   # a warm-up runs only if the pool keeps this share free for prefills
 
 
 @dataclass(frozen=True)
@@ -81,12 +91,14 @@ class PrefillWorker:
         self._lock = threading.Condition()
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}
+        self._warmups: deque[PrefillJob] = deque()   # lowest priority: run when _queue is empty
         self._sending: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()
         self._draining = False
         self._stop = threading.Event()
         self.metrics = {"prefills_completed": 0, "prefills_failed": 0, "prefills_aborted": 0,
                         "kv_bytes_sent": 0, "kv_bytes_skipped": 0, "prompt_tokens": 0,
-                        "prefix_hit_tokens": 0}
+                        "prefix_hit_tokens": 0, "warmups_completed": 0, "warmups_dropped": 0,
+                        "warmup_tokens_computed": 0}
         self.watches = (LoopWatch("prefill-loop"), LoopWatch("prefill-sender", stall_s=float("inf")))
         tok = res.loaded.tokenizer
         self.grammars = Grammars(tok, tok.stop_token_ids) if tok is not None else None
@@ -170,6 +182,32 @@ class PrefillWorker:
             self._lock.notify_all()
         return job
 
+    def warm(self, request_id: str, token_ids: list[int]) -> PrefillJob:
+        """Queue a warm-up of ``token_ids``' full blocks into the prefix cache (module doc);
+        returns at once with the job (``job.finished`` is set once it ran or was dropped;
+        dropped: ``job.error`` is a `WarmupDropped`).
+
+        Raises (nothing queued): CacheDisabledError (prefix caching off), InvalidRequestError
+        (bad id or tokens), CapacityError (``_MAX_WARMUPS`` queued), DrainingError.
+        """
+        if not self.res.config.prefix_caching:
+            raise CacheDisabledError("this prefill worker runs without a prefix cache (--prefix-caching)")
+        c, bs = self.res.loaded.config, self.res.pool.block_size
+        check_request_id(request_id)
+        validate_request(token_ids, SamplingParams(max_tokens=1), c.max_position, c.vocab_size)
+        full = len(token_ids) // bs * bs
+        job = PrefillJob(request_id, list(token_ids[:full]), SamplingParams(max_tokens=1), None, [], 0, 0,
+                         time.monotonic() + self.res.config.prefill_timeout_s, warm=True)
+        job.block_hashes = block_hashes(job.token_ids, bs)
+        with self._lock:
+            if self._draining:
+                raise DrainingError("prefill worker is draining")
+            if len(self._warmups) >= _MAX_WARMUPS:
+                raise CapacityError(f"{_MAX_WARMUPS} warm-ups are queued already")
+            self._warmups.append(job)
+            self._lock.notify_all()
+        return job
+
     def abort(self, request_id: str) -> PrefillJob | None:
         """Stop a job (it posts no more writes); returns it (wait on ``job.finished``: set once
         its posted writes completed), or None if unknown. Never blocks."""
@@ -195,6 +233,10 @@ class PrefillWorker:
         end = time.monotonic() + timeout_s
         with self._lock:
             self._draining = True
+            dropped = self._drop_warmups(running=False)
+        for job in dropped:
+            self._sending.put(job)
+        with self._lock:
             while self._jobs and time.monotonic() < end:
                 self._lock.wait(0.2)
 
@@ -209,6 +251,10 @@ class PrefillWorker:
             job.fail(PrefillError("prefill worker closed"))
             self._retire(job)
         self._thread.join(timeout=30)
+        with self._lock:
+            dropped = self._drop_warmups(running=True)
+        for job in dropped:
+            self._sending.put(job)
         self._sending.put(None)
         self._sender.join(timeout=30)
         for w in self.watches:
@@ -222,9 +268,13 @@ class PrefillWorker:
                 self.res.pool.allocator.free(job.src_blocks)
                 job.src_blocks = []
             job.move(JobState.FAILED if job.error else JobState.DONE)
-            self._jobs.pop(job.request_id, None)
-            key = ("prefills_aborted" if job.aborted else "prefills_failed" if job.error
-                   else "prefills_completed")
+            if self._jobs.get(job.request_id) is job:
+                del self._jobs[job.request_id]
+            if job.warm:
+                key = "warmups_dropped" if job.error else "warmups_completed"
+            else:
+                key = ("prefills_aborted" if job.aborted else "prefills_failed" if job.error
+                       else "prefills_completed")
             self.metrics[key] += 1
             self._lock.notify_all()
         job.set_finished()
@@ -277,7 +327,46 @@ class PrefillWorker:
             budget -= take
             if not last:
                 break
+        if not self._queue and budget > 0:
+            batch += self._schedule_warmup(min(budget, self.res.config.warmup_chunk_tokens))
         return batch
+
+    def _schedule_warmup(self, budget: int) -> list[tuple[PrefillJob, SeqChunk]]:
+        """The next chunk of the oldest warm-up (none while a prefill is queued); warm-ups that
+        are already cached finish here, those that cannot run are dropped."""
+        alloc = self.res.pool.allocator
+        while self._warmups:
+            job = self._warmups[0]
+            if not job.src_blocks:
+                if time.monotonic() >= job.deadline or (
+                        alloc.num_free - len(job.block_hashes) < _WARMUP_POOL_SHARE * self.res.pool.num_blocks):
+                    job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: the pool needs its room"))
+                elif self._take_blocks(job):
+                    job.move(JobState.COMPUTING)
+                else:
+                    job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: no room in the pool"))
+            if job.stopped or job.num_computed == len(job.token_ids):   # dropped, or cached whole
+                self._warmups.popleft()
+                if job.state == JobState.COMPUTING:
+                    job.move(JobState.TRANSFERRING)
+                self._sending.put(job)   # no handles: retired (blocks freed) off this lock
+                continue
+            end = min(len(job.token_ids), job.num_computed + budget)
+            return [(job, SeqChunk(job.token_ids[job.num_computed:end], job.num_computed, job.src_blocks,
+                                   need_logits=False))]
+        return []
+
+    def _drop_warmups(self, running: bool) -> list[PrefillJob]:
+        """With the lock held: drop queued warm-ups (and the running one when ``running``:
+        only once the loop thread stopped); returns them, to be retired."""
+        keep = [j for j in self._warmups if j.src_blocks and not running]
+        dropped = [j for j in self._warmups if j not in keep]
+        self._warmups = deque(keep)
+        for job in dropped:
+            job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: the worker is stopping"))
+            if job.state == JobState.COMPUTING:
+                job.move(JobState.TRANSFERRING)
+        return dropped
 
     def _take_blocks(self, job: PrefillJob) -> bool:
         """Give ``job`` its local blocks: with prefix caching, the cached blocks of its longest
@@ -285,7 +374,8 @@ class PrefillWorker:
         rest. False (nothing taken) when the pool cannot hold it now."""
         alloc, bs = self.res.pool.allocator, self.res.pool.block_size
         need = blocks_needed(len(job.token_ids), bs)
-        if self.res.config.prefix_caching and job.params.prompt_logprobs is None and not job.block_hashes:
+        if (self.res.config.prefix_caching and job.params.prompt_logprobs is None and not job.block_hashes
+                and not job.warm):
             job.block_hashes = block_hashes(job.token_ids[:len(job.token_ids) - 1], bs)   # once per job
         taken = alloc.allocate_after_prefix(job.block_hashes, need)
         if taken is None:
@@ -293,7 +383,8 @@ class PrefillWorker:
         job.src_blocks, hit = taken
         job.num_registered = hit
         job.num_computed = job.prefix_hit_tokens = hit * bs
-        self.metrics["prefix_hit_tokens"] += hit * bs
+        if not job.warm:
+            self.metrics["prefix_hit_tokens"] += hit * bs
         return True
 
     def _register_full_blocks(self, job: PrefillJob) -> None:
@@ -326,6 +417,8 @@ class PrefillWorker:
                         job.fail(PrefillError(f"prefill failed: {exc}"))
                         if job in self._queue:
                             self._queue.remove(job)
+                        if job in self._warmups:
+                            self._warmups.remove(job)
                 for job, _ in batch:
                     self._sending.put(job)
 
@@ -390,6 +483,12 @@ class PrefillWorker:
                 job.compute_seconds += elapsed
                 if self.res.config.prefix_caching and not job.stopped:
                     self._register_full_blocks(job)
+                if job.warm:
+                    self.metrics["warmup_tokens_computed"] += len(chunk.token_ids)
+                    if job.num_computed == len(job.token_ids) and self._warmups and self._warmups[0] is job:
+                        self._warmups.popleft()
+                        job.move(JobState.TRANSFERRING)
+                        self._sending.put(job)
             for job, token, lp, choice in zip(finishing, tokens, logprobs, choices):
                 if isinstance(token, SamplingError):
                     job.fail(PrefillError(f"sampling the first token failed: {token}"))

@@ -75,7 +75,8 @@ def build_state(config: RouterConfig, tokenizer, context_length: int, membership
                 model_root: str, metadata: tuple = ()) -> RouterState:
     """Wire the orchestrator, policy and metrics. ``metadata``: sent with every worker call."""
     metrics = RouterMetrics(membership)
-    orch = Orchestrator(config, membership, tokenizer, make_policy(config.policy, membership.kv_index), metrics, metadata)
+    policy = make_policy(config.policy, membership.kv_index, config.kv_overlap_weight, config.kv_decode_overlap_weight)
+    orch = Orchestrator(config, membership, tokenizer, policy, metrics, metadata)
     return RouterState(config, tokenizer, context_length, membership, orch, metrics, model_root)
 
 

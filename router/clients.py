@@ -146,6 +146,11 @@ class WorkerClient:
     async def prefill(self, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
         return await self._unary("Prefill", self._prefill.Prefill, request, timeout_s)
 
+    async def warm(self, request_id: str, token_ids: Sequence[int], timeout_s: float) -> pb.WarmResponse:
+        """``Prefill.Warm``: answers once the warm-up ran or was dropped."""
+        return await self._unary("Warm", self._prefill.Warm,
+                                 pb.WarmRequest(request_id=request_id, token_ids=token_ids), timeout_s)
+
     async def abort_prefill(self, request_id: str) -> bool:
         """Returns once the worker's posted writes for the request completed (its acknowledgement)."""
         resp = await self._unary("Abort", self._prefill.Abort, pb.AbortRequest(request_id=request_id))

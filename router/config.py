@@ -39,6 +39,9 @@ class RouterConfig:
         dead_after_s: a worker silent for this long is declared dead (seconds, > interval).
         policy: ``"load"`` (free KV blocks / queued prompt tokens), ``"round_robin"`` or
             ``"kv"`` (prefix cache overlap and load, `router.policy.KVPolicy`).
+        kv_overlap_weight / kv_decode_overlap_weight: the ``kv`` policy's weight of the blocks a
+            prefill worker must compute / a decode worker must receive, against its load in
+            blocks (`router.policy.KVPolicy`; >= 0).
         max_waiting_requests: requests that may wait in the admission queue for capacity
             (`router.admission`); one more is refused at once with 503 + ``Retry-After``.
         queue_timeout_s: longest wait in the admission queue before a 503 (seconds).
@@ -71,6 +74,10 @@ class RouterConfig:
             `router.serving`.
         colocated_threshold_tokens: in ``"auto"`` mode, prompts with fewer tokens than this are
             served colocated (0: never; must be 0 in the other modes).
+        prefill_warmup: after a disaggregated request finished, ask its prefill worker (when it
+            has a prefix cache) to warm its cache with the prompt + output (``Prefill.Warm``), so
+            a conversation's next turn computes only the new message there. Costs prefill
+            compute when the prefill worker is otherwise idle; ``--no-prefill-warmup`` turns it off.
     """
 
     http_host: str = "127.0.0.1"
@@ -82,6 +89,8 @@ class RouterConfig:
     heartbeat_interval_s: float = 1.0
     dead_after_s: float = 5.0
     policy: str = "load"
+    kv_overlap_weight: float = 1.0
+    kv_decode_overlap_weight: float = 2.0
     max_waiting_requests: int = 256
     queue_timeout_s: float = 300.0
     prefill_inflight_tokens: int = 4096
@@ -102,6 +111,7 @@ class RouterConfig:
     tls_ca: str | None = None
     serving_mode: str = "disaggregated"
     colocated_threshold_tokens: int = 0
+    prefill_warmup: bool = True
 
     @property
     def tls(self):
@@ -120,6 +130,9 @@ class RouterConfig:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("kv_overlap_weight", "kv_decode_overlap_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.dead_after_s <= self.heartbeat_interval_s:
@@ -145,8 +158,11 @@ class RouterConfig:
         """One ``--flag`` per field (``http_port`` -> ``--http-port``), defaults from the fields."""
         kinds = {"int": int, "float": float, "int | None": int}
         for f in fields(cls):
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
-                                type=kinds.get(str(f.type), str))
+            flag = "--" + f.name.replace("_", "-")
+            if str(f.type) == "bool":
+                parser.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction)
+                continue
+            parser.add_argument(flag, dest=f.name, default=f.default, type=kinds.get(str(f.type), str))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RouterConfig":

@@ -38,6 +38,11 @@ class RouterMetrics:
         self.kv_bytes_skipped = Counter("pdserve_kv_transfer_bytes_skipped",
                                         "KV cache bytes not written: the decode worker held those "
                                         "blocks in its prefix cache (delta transfer)", registry=r)
+        self.prefill_warmups = Counter("pdserve_prefill_warmups", "Prefix-cache warm-ups sent to prefill "
+                                       "workers after a request finished (router.warmup), by outcome",
+                                       ["outcome"], registry=r)
+        self.prefill_warmup_tokens = Counter("pdserve_prefill_warmup_tokens", "Tokens prefill workers "
+                                             "computed into their prefix cache in warm-ups", registry=r)
         self.prefix_query_tokens = Counter("pdserve_prefix_cache_queries", "Prompt tokens looked up "
                                            "in a worker's prefix cache", ["role"], registry=r)
         self.prefix_hit_tokens = Counter("pdserve_prefix_cache_hits", "Prompt tokens found in a "

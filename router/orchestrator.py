@@ -55,8 +55,9 @@ from router.errors import InvalidRequest, NoWorkers, UpstreamError
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
 from router.policy import Inflight, Policy, avoid_last
-from router.request import Delta, GenerationRequest  # noqa: F401  (re-exported)
+from router.request import Delta, GenerationRequest, Holding  # noqa: F401  (re-exported)
 from router.serving import ServingPath, choose_path
+from router.warmup import Warmups
 from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -110,21 +111,6 @@ class _Run:
                      self.index)
 
 
-class _Holding:
-    """Which workers hold an attempt, for release."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.decode: Member | None = None
-        self.reservation: Reservation | None = None
-        self.prefill: Member | None = None
-        self.prefill_tokens = 0
-        self.prefill_call: asyncio.Task | None = None
-        self.colocated = False
-        self.done = False
-        self.hashes: list[bytes] | None = None   # the prompt's block hashes (KV-aware policy)
-
-
 _WRITE_MARGIN_S = 1.0   # the prefill stops posting this long before the reservation's lease ends
 
 
@@ -148,9 +134,11 @@ class Orchestrator:
         self._clients: dict[str, tuple[int, WorkerClient, grpc.aio.Channel]] = {}
         self._generating: dict[str, int] = defaultdict(int)   # decode id -> Generate calls in flight
         self._background: set[asyncio.Task] = set()
+        self.warmups = Warmups(metrics, membership.kv_index, self._client, config.prefill_timeout_s)
 
     async def close(self) -> None:
-        """Wait for pending releases (bounded), then close every channel."""
+        """Cancel warm-ups, wait for pending releases (bounded), then close every channel."""
+        await self.warmups.close()
         if self._background:
             await asyncio.wait(self._background, timeout=self.config.rpc_timeout_s * 2)
         for _, _, channel in self._clients.values():
@@ -207,7 +195,7 @@ class Orchestrator:
         prompt = list(lead.req.prompt_token_ids) + lead.generated
         remaining = lead.req.max_tokens - len(lead.generated)
         sampling = self._sampling(runs, remaining)
-        hold = _Holding(rid)
+        hold = Holding(rid)
         hold.hashes = hashes
         try:
             if path is ServingPath.DISAGGREGATED:
@@ -235,7 +223,7 @@ class Orchestrator:
                 async for delta in deltas:
                     yield delta
             hold.done = True
-            self._predict_finished(hold, runs)
+            self._after_finish(hold, runs)
         except WorkerRejected as exc:
             raise InvalidRequest(f"the worker rejected the request: {exc.details}") from exc
         except _Retry:
@@ -266,7 +254,7 @@ class Orchestrator:
                 to_compute -= bs * max(self.membership.kv_index.overlap(d.worker_id, hashes) for d in caching)
         return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair), hashes
 
-    def _prompt_hashes(self, hold: _Holding, prompt: list[int], block_size: int) -> Sequence[bytes]:
+    def _prompt_hashes(self, hold: Holding, prompt: list[int], block_size: int) -> Sequence[bytes]:
         """The attempt's prompt block hashes for a policy that uses them, computed once."""
         if self.policy.uses_hashes and hold.hashes is None:
             hold.hashes = block_hashes(prompt, block_size)
@@ -300,7 +288,7 @@ class Orchestrator:
         queued = self.inflight.prefill_tokens.get(p.worker_id, 0)
         return queued == 0 or queued + tokens <= self.config.prefill_inflight_tokens
 
-    async def _place(self, hold: _Holding, prompt: list[int], max_tokens: int, avoid: set[str],
+    async def _place(self, hold: Holding, prompt: list[int], max_tokens: int, avoid: set[str],
                      since: float) -> bool | None:
         """Reserve on a decode worker linked to a prefill worker with room; True when placed
         (``hold`` filled), None when no worker has room now. A decode worker with a prefix
@@ -343,7 +331,7 @@ class Orchestrator:
             return True
         return None
 
-    async def _place_colocated(self, hold: _Holding, prompt: list[int], avoid: set[str],
+    async def _place_colocated(self, hold: Holding, prompt: list[int], avoid: set[str],
                                since: float) -> bool | None:
         decodes = self.membership.routable("decode")
         if not decodes:
@@ -363,21 +351,24 @@ class Orchestrator:
         self.inflight.add_reservation(hold.decode, need)  # until heartbeats show its load
         return True
 
-    def _predict_finished(self, hold: _Holding, runs: list[_Run]) -> None:
-        """KV-aware routing: the decode worker now caches the prompt and what it decoded (all
-        but the last token, whose K/V was never computed); tell the index before its events do."""
+    def _after_finish(self, hold: Holding, runs: list[_Run]) -> None:
+        """The decode worker now caches the prompt and what it decoded but the last token: tell
+        the KV index before its events do; the prefill worker warms up with the same (`router.warmup`)."""
         if hold.hashes and hold.decode is not None and hold.decode.prefix_caching:
             for run in runs:   # each choice's tokens start with the attempt's prompt
                 tokens = [*run.req.prompt_token_ids, *run.generated][:-1]
                 self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes + block_hashes(
                     tokens, hold.decode.block_size, start=len(hold.hashes), parent=hold.hashes[-1]))
+        if self.config.prefill_warmup and hold.prefill is not None and not hold.colocated:
+            self.warmups.after_finish(hold.prefill, hold.request_id, runs[0].req.prompt_token_ids,
+                                      runs[0].generated)
 
     def _decode_candidates(self) -> list[Member]:
         prefills = {m.worker_id for m in self.membership.routable("prefill")}
         return [d for d in self.membership.routable("decode") if d.peers & prefills]
 
     # -- prefill ------------------------------------------------------------------------------
-    async def _prefill(self, hold: _Holding, prompt: list[int], sampling: pb.SamplingParams) -> pb.PrefillResponse:
+    async def _prefill(self, hold: Holding, prompt: list[int], sampling: pb.SamplingParams) -> pb.PrefillResponse:
         held = hold.reservation.num_held_blocks
         req = pb.PrefillRequest(request_id=hold.request_id, token_ids=prompt, sampling=sampling,
                                 decode_worker_id=hold.decode.worker_id,
@@ -402,7 +393,7 @@ class Orchestrator:
         return resp
 
     # -- decode -------------------------------------------------------------------------------
-    async def _stream(self, stream: TokenStream, hold: _Holding, runs: list[_Run]) -> AsyncIterator[Delta]:
+    async def _stream(self, stream: TokenStream, hold: Holding, runs: list[_Run]) -> AsyncIterator[Delta]:
         """Deltas of a ``Decode`` or ``Generate`` token stream (chunk ``index`` i is ``runs[i]``);
         once every choice finished, a router-side stop (a stop string) cancels the call and
         releases ``hold``; the call is cancelled if the reader goes away."""
@@ -443,7 +434,7 @@ class Orchestrator:
             stream.cancel()
 
     # -- release ------------------------------------------------------------------------------
-    async def _release(self, hold: _Holding) -> None:
+    async def _release(self, hold: Holding) -> None:
         """Abort the attempt on its workers: prefill first, then decode (see module doc).
 
         The writer has stopped when no Prefill was sent, when Prefill answered OK, or when the

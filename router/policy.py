@@ -11,8 +11,12 @@ one interval old, so the router adds what it has itself put on each worker since
 - ``kv``: KV-aware (Dynamo's KV router cost, in blocks, lower is better): for each candidate
   the blocks of the prompt it would have to compute (prefill) or receive (decode), i.e. the
   prompt's blocks minus the leading ones its prefix cache holds (`router.kvindex`), plus its
-  load in blocks (decode: blocks in use; prefill: queued prompt tokens / block size). Without
-  an index (caching off, or just after a router restart) it is ``load`` in blocks.
+  load in blocks (decode: blocks in use; prefill: queued prompt tokens / block size). The blocks
+  to compute or receive are weighted (Dynamo's ``overlap_score_weight``): 1 for prefill as in
+  Dynamo, 2 for decode by default, where a missing block is sent over the data plane (and, in
+  auto mode, computed there) while blocks in use stand for memory, not step time (a decode step
+  reads the weights once for the whole batch). Without an index (caching off, or just after a
+  router restart) it is ``load`` in blocks.
 
 Not thread safe: used from the HTTP event loop only.
 """
@@ -122,21 +126,23 @@ class RoundRobinPolicy(Policy):
 
 class KVPolicy(Policy):
     """KV-aware ordering over ``index`` (see the module docstring); ``overlap_weight`` scales
-    the blocks to compute or receive against the load (Dynamo's ``overlap_score_weight``)."""
+    the blocks a prefill worker computes, ``decode_overlap_weight`` those a decode worker
+    receives, against the load (Dynamo's ``overlap_score_weight``)."""
 
     name = "kv"
     uses_hashes = True
 
-    def __init__(self, index: KVIndex, overlap_weight: float = 1.0) -> None:
+    def __init__(self, index: KVIndex, overlap_weight: float = 1.0, decode_overlap_weight: float = 2.0) -> None:
         self.index = index
         self.overlap_weight = overlap_weight
+        self.decode_overlap_weight = decode_overlap_weight
 
     def order_decode(self, decodes, inflight, needed_blocks, hashes=()):
         def key(m: Member):
             free = m.load.free_blocks - inflight.pending_blocks(m)
             new = needed_blocks - self.index.overlap(m.worker_id, hashes)
             used = m.load.total_blocks - free
-            return (free < new, self.overlap_weight * new + used, m.load.running + m.load.waiting,
+            return (free < new, self.decode_overlap_weight * new + used, m.load.running + m.load.waiting,
                     m.worker_id)
         return sorted(decodes, key=key)
 
@@ -154,9 +160,10 @@ def avoid_last(members: Sequence[Member], avoid: set[str]) -> list[Member]:
     return sorted(members, key=lambda m: m.worker_id in avoid)
 
 
-def make_policy(name: str, index: KVIndex | None = None) -> Policy:
-    """``"load"``, ``"round_robin"`` or ``"kv"`` (over ``index``, the membership's).
-    Raises `ValueError` on another name, or "kv" without an index."""
+def make_policy(name: str, index: KVIndex | None = None, overlap_weight: float = 1.0,
+                decode_overlap_weight: float = 2.0) -> Policy:
+    """``"load"``, ``"round_robin"`` or ``"kv"`` (over ``index``, the membership's, with the
+    weights of `KVPolicy`). Raises `ValueError` on another name, or "kv" without an index."""
     if name == "load":
         return LoadPolicy()
     if name == "round_robin":
@@ -164,5 +171,5 @@ def make_policy(name: str, index: KVIndex | None = None) -> Policy:
     if name == "kv":
         if index is None:
             raise ValueError("the kv policy needs a KV index")
-        return KVPolicy(index)
+        return KVPolicy(index, overlap_weight, decode_overlap_weight)
     raise ValueError(f"unknown policy {name!r}")

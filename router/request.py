@@ -3,9 +3,15 @@ back (`Delta`), shared by `router.orchestrator`, `router.render` and `router.api
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rpc import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from router.clients import Reservation
+    from router.membership import Member
 
 
 @dataclass(frozen=True)
@@ -51,3 +57,18 @@ class Delta:
     logprobs: tuple[pb.TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[pb.TokenLogprobs, ...] | None = None
     index: int = 0
+
+
+class Holding:
+    """Which workers hold one attempt of a request (`router.orchestrator`), for release."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.decode: Member | None = None
+        self.reservation: Reservation | None = None
+        self.prefill: Member | None = None
+        self.prefill_tokens = 0
+        self.prefill_call: asyncio.Task | None = None
+        self.colocated = False
+        self.done = False
+        self.hashes: list[bytes] | None = None   # the prompt's block hashes (KV-aware policy)

@@ -304,6 +304,24 @@ class PrefillResponse(_message.Message):
     prefix_hit_tokens: int
     def __init__(self, first_token: _Optional[int] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_tokens_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., bytes_skipped: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
+class WarmRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WarmResponse(_message.Message):
+    __slots__ = ("computed_tokens", "cached_tokens", "dropped")
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    computed_tokens: int
+    cached_tokens: int
+    dropped: bool
+    def __init__(self, computed_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., dropped: _Optional[bool] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -212,6 +212,11 @@ class PrefillStub:
                 request_serializer=rpc_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Warm = channel.unary_unary(
+                '/pdserve.v1.Prefill/Warm',
+                request_serializer=rpc_dot_pdserve__pb2.WarmRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.WarmResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Prefill/Abort',
                 request_serializer=rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -251,6 +256,12 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Warm(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -296,6 +307,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=rpc_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Warm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Warm,
+                    request_deserializer=rpc_dot_pdserve__pb2.WarmRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.WarmResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -421,6 +437,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Prefill',
             rpc_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             rpc_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Warm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/Warm',
+            rpc_dot_pdserve__pb2.WarmRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.WarmResponse.FromString,
             options,
             channel_credentials,
             insecure,

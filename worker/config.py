@@ -44,6 +44,8 @@ class WorkerConfig:
             cached blocks of a prompt at Reserve so they are not sent again (delta transfer)
             and caches what it decodes; both publish their cache's changes on the heartbeat
             (KV-aware routing).
+        warmup_chunk_tokens: prefill with prefix caching: most tokens per forward pass of a
+            prefix-cache warm-up (`prefill.worker`), the longest a prefill arriving meanwhile waits.
         threads: torch threads of this process.
         transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
         transfer_port: port of the data-plane listener (0: ephemeral).
@@ -74,6 +76,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     prefix_caching: bool = False
+    warmup_chunk_tokens: int = 64
     threads: int = 1
     transfer_engine: str = "auto"
     transfer_port: int = 0
@@ -96,7 +99,8 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.transfer_engine not in TRANSFER_ENGINES:
             raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "threads",
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "warmup_chunk_tokens",
+                     "threads",
                      "max_write_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -32,3 +32,11 @@ class PrefillTimeout(PrefillError):
 
 class PrefillAborted(PrefillError):
     """The job was aborted (ABORTED)."""
+
+
+class WarmupDropped(PrefillError):
+    """A prefix-cache warm-up was not run: a prefill needed the room, or the worker stopped."""
+
+
+class CacheDisabledError(WorkerError):
+    """The call needs the prefix cache, which this worker runs without (FAILED_PRECONDITION)."""

@@ -17,8 +17,8 @@ import grpc
 
 from engine.errors import CapacityError, InvalidRequestError
 from kvtransfer import AuthError, KVTransferError, PeerLostError, PlanError, TransferTimeout
-from worker.errors import (DrainingError, PrefillAborted, PrefillError, PrefillTimeout,
-                           UnknownRequestError)
+from worker.errors import (CacheDisabledError, DrainingError, PrefillAborted, PrefillError,
+                           PrefillTimeout, UnknownRequestError)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (CacheDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (PrefillTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),

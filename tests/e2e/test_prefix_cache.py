@@ -7,6 +7,8 @@ free)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -81,4 +83,41 @@ def test_later_turns_send_only_what_the_decode_worker_lacks(cluster, tokenizer, 
     metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     assert 'pdserve_prefix_cache_hits_total{role="decode"}' in metrics
     assert "pdserve_worker_prefix_cache_blocks{" in metrics   # the router indexes the workers' caches
+    assert_pools_full(cluster)
+
+
+def _wait_counter(cluster, name: str, above: float, timeout_s: float = 60.0) -> float:
+    end = time.monotonic() + timeout_s
+    while (value := _prefill_counter(cluster, name)) <= above:
+        assert time.monotonic() < end, f"{name} stayed at {value}"
+        time.sleep(0.2)
+    return value
+
+
+def test_the_prefill_worker_warms_up_with_each_answer(cluster, tokenizer, reference):
+    """After each turn the router asks the prefill worker to warm its cache with prompt + answer
+    (router.warmup): the next turn's prefill computes only past the previous answer."""
+    client = openai_client(cluster)
+    messages = [{"role": "user", "content": "Tell me about the moons of Jupiter, briefly."}]
+    warmed = _prefill_counter(cluster, "warmups_completed")
+    history: list[int] = []
+    for turn, follow_up in enumerate(["Which is the largest?", "Does it have water?", None]):
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        hits = _prefill_counter(cluster, "prefix_hit_tokens")
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+        expected = reference(ids, 32)
+        assert reply.choices[0].message.content == expected.text, f"turn {turn + 1}"
+        hit = _prefill_counter(cluster, "prefix_hit_tokens") - hits
+        if history:   # the previous prompt and answer, as far as they are this prompt's prefix
+            common = next((i for i, (a, b) in enumerate(zip(history, ids)) if a != b), min(len(history), len(ids)))
+            assert common // 16 > (len(history) - len(prev_out)) // 16   # the answer is in it
+            assert hit == min(common, len(ids) - 1) // 16 * 16, (turn, hit, common)
+        warmed = _wait_counter(cluster, "warmups_completed", warmed)
+        history, prev_out = ids + list(expected.token_ids)[:-1], list(expected.token_ids)[:-1]
+        if follow_up is None:
+            break
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": follow_up}]
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert 'pdserve_prefill_warmups_total{outcome="completed"}' in metrics
     assert_pools_full(cluster)

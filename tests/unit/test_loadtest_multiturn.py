@@ -118,7 +118,7 @@ def _workers(p_prompt, p_hit, sent, skipped, d_hit, d_lookup, split=True):
 def test_counters_are_summed_per_role_and_missing_ones_count_zero():
     snap = sum_counters(_workers(100, 40, 1000, 300, 4, 10))
     assert snap["prefill"] == {"prompt_tokens": 100, "prefix_hit_tokens": 40, "kv_bytes_sent": 1000,
-                               "kv_bytes_skipped": 300}
+                               "kv_bytes_skipped": 300, "warmup_tokens_computed": 0}   # missing: 0
     assert snap["decode"] == {"prefix_hit_blocks": 4, "prefix_lookup_blocks": 10, "cache_evictions": 0}
     old = [{"id": "p", "role": "prefill", "stats": {"counters": {"prompt_tokens": 5.0}}},
            {"id": "d", "role": "decode", "stats": {"error": "unavailable"}}]
