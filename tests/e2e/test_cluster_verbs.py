@@ -1,7 +1,9 @@
 """The cluster over verbs on a real RDMA stack (Soft-RoCE in the lab; rdma marker): the cluster
 ``pdserve up --transfer-engine verbs`` starts (router, 1 prefill, 1 decode as separate processes,
 through the launcher ``pdserve up`` runs) answers greedy prompts exactly as the single-process
-engine does; then kill -9 of the prefill worker mid-transfer frees the decode worker's blocks only
+engine does; a prompt that extends an earlier one is written over verbs only past the blocks the
+decode worker's prefix cache holds (delta transfer, ``--prefix-caching``); then kill -9 of the
+prefill worker mid-transfer frees the decode worker's blocks only
 once the writer is reported lost, which the verbs engine does only after destroying that writer's
 QPs (test_verbs_engine.py checks that ordering). One cluster serves both tests, in this order:
 under the lab's emulated CPU a cluster takes minutes to start."""
@@ -64,7 +66,7 @@ def verbs_cluster(tmp_path_factory):
                             # prefill never wrote, which stay quarantined by design (no writer known)
                             router_args=("--prefill-timeout-s", "600", "--max-attempts", "1"),
                             worker_args=("--quarantine-s", "240", "--prefill-timeout-s", "200",
-                                         "--transfer-timeout-s", "200"))
+                                         "--transfer-timeout-s", "200", "--prefix-caching"))
     cluster = Cluster(config).start()
     yield cluster
     cluster.stop()
@@ -79,6 +81,25 @@ def test_pdserve_up_over_verbs_answers_like_the_single_process_engine(verbs_clus
     counters = _decode_counters(url)
     assert counters["kv_writes_received"] > 0 and counters["free"] == counters["total"]
     assert "verbs engine on rxe" in (verbs_cluster.log_dir / "decode-0.log").read_text()
+
+
+def test_a_longer_prompt_is_written_only_past_the_blocks_the_decode_worker_holds(verbs_cluster, reference,
+                                                                                tokenizer):
+    url = verbs_cluster.url
+    client = openai_client(_Url(url))
+    base = "Soft-RoCE runs the RDMA transport over an ordinary Ethernet device. " * 4   # ~60 tokens
+    ids = tokenizer.encode(base)
+    first = client.completions.create(model=MODEL, prompt=base, max_tokens=MAX_TOKENS, temperature=0)
+    assert first.choices[0].text == reference(ids, MAX_TOKENS).text
+    before = _decode_counters(url)
+    longer = base + first.choices[0].text + " Why does that matter?"
+    second = client.completions.create(model=MODEL, prompt=longer, max_tokens=MAX_TOKENS, temperature=0)
+    assert second.choices[0].text == reference(tokenizer.encode(longer), MAX_TOKENS).text
+    after = _decode_counters(url)
+    held = after["blocks_held_at_reserve"] - before["blocks_held_at_reserve"]
+    assert held >= (len(ids) - 1) // 16 >= 3                                  # not sent again
+    assert after["kv_writes_received"] > before["kv_writes_received"]        # the rest came over verbs
+    assert after["free"] == after["total"]
 
 
 def test_kill9_prefill_mid_transfer_frees_decode_blocks_only_after_its_qps_are_gone(verbs_cluster):
