@@ -28,9 +28,11 @@ job (its plan, its sampling, its peer) never fails its batch-mates.
 Warm-ups (`warm`, prefix caching only): the router hands back a finished request's prompt +
 output so the next turn of the conversation finds its previous answer cached here, not only on
 the decode worker that decoded it. A warm-up computes the full blocks the cache lacks into it and
-writes nothing; it runs only when no prefill is queued, ``warmup_chunk_tokens`` at a time (so a
-prefill arriving waits for one short chunk at most), and is dropped, not run, when it would take
-more than ``_WARMUP_POOL_SHARE`` of the pool or when its own lease passes while queued.
+writes nothing; it runs only when no prefill is queued, ``warmup_chunk_tokens`` at a time, and
+a pass of it stops between two layers as soon as a prefill is queued (`_Preempted`: the pass's
+K/V went into the warm-up's own unregistered blocks and is computed again later), so a prefill
+waits for one layer of it at most. It is dropped, not run, when it would take more than
+``_WARMUP_POOL_SHARE`` of the pool or when its own lease passes while queued.
 
 Threads: ``prefill-loop`` (scheduling and forward passes) and ``prefill-sender`` (transfer
 completion and retirement); RPC callers never block: they get the job and a done callback.
@@ -71,6 +73,10 @@ _MAX_WARMUPS = 64          # warm-ups queued at most (more: RESOURCE_EXHAUSTED)
 _WARMUP_POOL_SHARE = 0.5   # a warm-up runs only if the pool keeps this share free for prefills
 
 
+class _Preempted(Exception):
+    """A warm-up pass stopped between layers because a prefill was queued (`PrefillWorker._run`)."""
+
+
 @dataclass(frozen=True)
 class PrefillLoad:
     """A prefill worker's load: blocks, jobs in flight, prompt tokens not yet computed."""
@@ -98,7 +104,7 @@ class PrefillWorker:
         self.metrics = {"prefills_completed": 0, "prefills_failed": 0, "prefills_aborted": 0,
                         "kv_bytes_sent": 0, "kv_bytes_skipped": 0, "prompt_tokens": 0,
                         "prefix_hit_tokens": 0, "warmups_completed": 0, "warmups_dropped": 0,
-                        "warmup_tokens_computed": 0}
+                        "warmup_tokens_computed": 0, "warmup_preemptions": 0}
         self.watches = (LoopWatch("prefill-loop"), LoopWatch("prefill-sender", stall_s=float("inf")))
         tok = res.loaded.tokenizer
         self.grammars = Grammars(tok, tok.stop_token_ids) if tok is not None else None
@@ -410,6 +416,8 @@ class PrefillWorker:
                 continue
             try:
                 self._run(batch)
+            except _Preempted:   # the warm-up stays first in line, its chunk not counted
+                self.metrics["warmup_preemptions"] += 1
             except Exception as exc:  # the forward pass itself failed: fail the batch, keep serving
                 log.exception("prefill pass failed")
                 with self._lock:
@@ -421,6 +429,12 @@ class PrefillWorker:
                             self._warmups.remove(job)
                 for job, _ in batch:
                     self._sending.put(job)
+
+    def _yield_to_prefills(self, layer: int) -> None:
+        """A warm-up pass's layer callback: raise `_Preempted` once a prefill is queued (read
+        without the lock: a stale answer costs one layer)."""
+        if self._queue:
+            raise _Preempted(f"a prefill arrived at layer {layer}")
 
     def _post_layer(self, layer: int, finishing: list[PrefillJob]) -> None:
         """Post this layer's writes of every finishing job; a job's failure stops it alone."""
@@ -450,6 +464,8 @@ class PrefillWorker:
         fb = ForwardBatch.build([c for _, c in batch], self.res.pool.block_size)
         finishing = [job for job, chunk in batch if chunk.need_logits]
         on_layer = (lambda layer: self._post_layer(layer, finishing)) if finishing else None
+        if all(job.warm for job, _ in batch):   # a warm-up pass (never batched with prefills)
+            on_layer = self._yield_to_prefills
         logits = self.res.loaded.model.forward(fb, self.res.pool, on_layer_done=on_layer)
         for (job, chunk), (first, count) in zip(batch, fb.logits_spans):
             if chunk.prompt_logits:

@@ -45,7 +45,7 @@ class WorkerConfig:
             and caches what it decodes; both publish their cache's changes on the heartbeat
             (KV-aware routing).
         warmup_chunk_tokens: prefill with prefix caching: most tokens per forward pass of a
-            prefix-cache warm-up (`prefill.worker`), the longest a prefill arriving meanwhile waits.
+            prefix-cache warm-up (`prefill.worker`; a prefill arriving stops the pass).
         threads: torch threads of this process.
         transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
         transfer_port: port of the data-plane listener (0: ephemeral).
@@ -76,7 +76,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     prefix_caching: bool = False
-    warmup_chunk_tokens: int = 64
+    warmup_chunk_tokens: int = 128
     threads: int = 1
     transfer_engine: str = "auto"
     transfer_port: int = 0

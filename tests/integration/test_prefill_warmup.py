@@ -130,3 +130,45 @@ def test_warm_ups_that_need_the_prefills_room_are_dropped_and_stopping_drops_the
     assert any(isinstance(j.error, WarmupDropped) for j in queued)   # drain dropped what had not run
     assert worker.metrics["warmups_completed"] + worker.metrics["warmups_dropped"] == 65
     assert alloc.num_free == alloc.num_blocks
+
+
+def test_a_prefill_stops_a_warm_up_pass_between_layers(smollm):
+    """A long warm-up pass is running when a prefill arrives: the pass stops at the next layer,
+    the prefill runs, then the warm-up runs again from where it was and its KV is right."""
+    import time
+
+    from prefill.job import JobState
+
+    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
+    dres = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=128, prefix_caching=True),
+                           arrivals, smollm)
+    decode = DecodeWorker(dres, arrivals)
+    pres = _prefill_worker(smollm, num_blocks=128, prefix_caching=True, warmup_chunk_tokens=1024)
+    prefill = PrefillWorker(pres)
+    try:
+        prefill.connect("d", dres.transfer.describe())
+        tk = smollm.tokenizer
+        history = tk.encode("The lighthouse keeper wrote in his log every night. " * 100)[:60 * BS]
+        warm = prefill.warm("long~warm", history)   # one pass of 960 tokens: seconds on a CPU
+        while warm.state != JobState.COMPUTING:
+            time.sleep(0.005)
+        time.sleep(0.05)   # inside the pass
+        prompt = tk.encode(tk.apply_chat_template([{"role": "user", "content": "Say hello."}]))
+        _, res, _ = _run(prefill, decode, "during-warmup", prompt)
+        assert res.first_token is not None
+        assert warm.finished.wait(120) and warm.error is None
+        assert prefill.metrics["warmup_preemptions"] >= 1
+        assert warm.num_computed == len(history) and prefill.metrics["warmup_tokens_computed"] >= len(history)
+        # the warmed history serves a prompt that extends it, with the engine's output
+        ref = build_generator(smollm, CacheConfig(num_blocks=128))
+        longer = history + tk.encode(" And then?")
+        _, res2, out = _run(prefill, decode, "after-warmup", longer)
+        assert res2.prefix_hit_tokens == len(history)
+        assert out == ref.generate([longer], PARAMS)[0].token_ids
+        assert pres.pool.allocator.num_free == pres.pool.num_blocks
+    finally:
+        prefill.close()
+        decode.close()
+        pres.close()
+        dres.close()
+    assert not prefill._thread.is_alive() and not decode._thread.is_alive()
