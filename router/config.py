@@ -90,7 +90,7 @@ class RouterConfig:
     dead_after_s: float = 5.0
     policy: str = "load"
     kv_overlap_weight: float = 1.0
-    kv_decode_overlap_weight: float = 2.0
+    kv_decode_overlap_weight: float = 4.0
     max_waiting_requests: int = 256
     queue_timeout_s: float = 300.0
     prefill_inflight_tokens: int = 4096

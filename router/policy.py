@@ -13,9 +13,10 @@ one interval old, so the router adds what it has itself put on each worker since
   prompt's blocks minus the leading ones its prefix cache holds (`router.kvindex`), plus its
   load in blocks (decode: blocks in use; prefill: queued prompt tokens / block size). The blocks
   to compute or receive are weighted (Dynamo's ``overlap_score_weight``): 1 for prefill as in
-  Dynamo, 2 for decode by default, where a missing block is sent over the data plane (and, in
+  Dynamo, 4 for decode by default, where a missing block is sent over the data plane (and, in
   auto mode, computed there) while blocks in use stand for memory, not step time (a decode step
-  reads the weights once for the whole batch). Without an index (caching off, or just after a
+  reads the weights once for the whole batch): a conversation stays on the decode worker that
+  holds it unless that one runs about two more conversations than another. Without an index (caching off, or just after a
   router restart) it is ``load`` in blocks.
 
 Not thread safe: used from the HTTP event loop only.
@@ -132,7 +133,7 @@ class KVPolicy(Policy):
     name = "kv"
     uses_hashes = True
 
-    def __init__(self, index: KVIndex, overlap_weight: float = 1.0, decode_overlap_weight: float = 2.0) -> None:
+    def __init__(self, index: KVIndex, overlap_weight: float = 1.0, decode_overlap_weight: float = 4.0) -> None:
         self.index = index
         self.overlap_weight = overlap_weight
         self.decode_overlap_weight = decode_overlap_weight
@@ -161,7 +162,7 @@ def avoid_last(members: Sequence[Member], avoid: set[str]) -> list[Member]:
 
 
 def make_policy(name: str, index: KVIndex | None = None, overlap_weight: float = 1.0,
-                decode_overlap_weight: float = 2.0) -> Policy:
+                decode_overlap_weight: float = 4.0) -> Policy:
     """``"load"``, ``"round_robin"`` or ``"kv"`` (over ``index``, the membership's, with the
     weights of `KVPolicy`). Raises `ValueError` on another name, or "kv" without an index."""
     if name == "load":

@@ -134,14 +134,14 @@ def test_kv_index_predictions_count_until_they_expire_or_are_evicted():
     assert idx.overlap("d0", h) == 1
 
 
-def test_kv_policy_weighs_blocks_a_decode_worker_lacks_twice_by_default():
+def test_kv_policy_weighs_blocks_a_decode_worker_lacks_four_times_by_default():
     from router.kvindex import KVIndex
     idx = KVIndex()
     h = [bytes([i]) * 16 for i in range(30)]
     idx.apply("d1", _events(snapshot=True, stored=h[:24]))   # holds 24 of the 30 blocks
     idx.apply("d0", _events(snapshot=True, stored=[]))
-    # d1 runs one more conversation (35 blocks in use): 2 x 6 + 45 < 2 x 30 + 10
-    ds = [member("d0", "decode", free_blocks=90, total_blocks=100), member("d1", "decode", free_blocks=55, total_blocks=100)]
+    # d1 runs two more conversations (70 blocks in use): 4 x 6 + 80 < 4 x 30 + 10
+    ds = [member("d0", "decode", free_blocks=90, total_blocks=100), member("d1", "decode", free_blocks=20, total_blocks=100)]
     assert ids(make_policy("kv", idx).order_decode(ds, Inflight(), 30, h)) == ["d1", "d0"]
-    # with Dynamo's weight of 1 the load wins: 6 + 45 > 30 + 10
+    # with Dynamo's weight of 1 the load wins: 6 + 80 > 30 + 10
     assert ids(make_policy("kv", idx, decode_overlap_weight=1.0).order_decode(ds, Inflight(), 30, h)) == ["d0", "d1"]
