@@ -7,6 +7,7 @@ neither poisons the cache nor lets a block it could still write reach another re
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -28,23 +29,32 @@ QUARANTINE_S = 8.0   # long enough for the checks below, short enough to wait ou
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
+@contextlib.contextmanager
+def running_pair(smollm, decode: dict, prefill: dict):
+    """A decode and a prefill worker (tcp data plane, prefill connected to decode as "d") with
+    the given `WorkerConfig` fields; both closed, and their loops checked stopped, on exit."""
+    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
+    dres = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", **decode), arrivals, smollm)
+    dworker = DecodeWorker(dres, arrivals)
+    pres = build_resources(WorkerConfig(role="prefill", transfer_engine="tcp", **prefill), None, smollm)
+    pworker = PrefillWorker(pres)
+    try:
+        pworker.connect("d", dres.transfer.describe())
+        yield pworker, dworker
+    finally:
+        pworker.close()
+        dworker.close()
+        pres.close()
+        dres.close()
+    assert not dworker._thread.is_alive() and not pworker._thread.is_alive()
+
+
 @pytest.fixture(scope="module")
 def pair(smollm):
-    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
-    dres = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=96, prefix_caching=True,
-                                        quarantine_s=QUARANTINE_S,
-                                        prefill_timeout_s=QUARANTINE_S / 2), arrivals, smollm)
-    decode = DecodeWorker(dres, arrivals)
-    pres = build_resources(WorkerConfig(role="prefill", transfer_engine="tcp", num_blocks=96, prefix_caching=True),
-                           None, smollm)
-    prefill = PrefillWorker(pres)
-    prefill.connect("d", dres.transfer.describe())
-    yield prefill, decode
-    prefill.close()
-    decode.close()
-    pres.close()
-    dres.close()
-    assert not decode._thread.is_alive() and not prefill._thread.is_alive()
+    with running_pair(smollm, dict(num_blocks=96, prefix_caching=True, quarantine_s=QUARANTINE_S,
+                                   prefill_timeout_s=QUARANTINE_S / 2),
+                      dict(num_blocks=96, prefix_caching=True)) as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")

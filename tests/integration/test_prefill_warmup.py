@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from decode.server import NUM_TRANSFER_SLOTS
-from decode.worker import DecodeArrivals, DecodeWorker
 from engine.config import CacheConfig
 from engine.errors import CapacityError, InvalidRequestError
 from engine.loader import build_generator
 from engine.sampling import SamplingParams
 from prefill.worker import PrefillWorker
-from tests.integration.test_delta_transfer import _run
+from tests.integration.test_delta_transfer import _run, running_pair
 from worker.config import WorkerConfig
 from worker.errors import CacheDisabledError, DrainingError, WarmupDropped
 from worker.runtime import build_resources
@@ -34,19 +32,8 @@ def _prefill_worker(smollm, **kw):
 
 @pytest.fixture(scope="module")
 def pair(smollm):
-    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
-    dres = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=96, prefix_caching=True),
-                           arrivals, smollm)
-    decode = DecodeWorker(dres, arrivals)
-    pres = _prefill_worker(smollm, num_blocks=96, prefix_caching=True)
-    prefill = PrefillWorker(pres)
-    prefill.connect("d", dres.transfer.describe())
-    yield prefill, decode
-    prefill.close()
-    decode.close()
-    pres.close()
-    dres.close()
-    assert not decode._thread.is_alive() and not prefill._thread.is_alive()
+    with running_pair(smollm, dict(num_blocks=96, prefix_caching=True), dict(num_blocks=96, prefix_caching=True)) as w:
+        yield w
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +126,8 @@ def test_a_prefill_stops_a_warm_up_pass_between_layers(smollm):
 
     from prefill.job import JobState
 
-    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
-    dres = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=128, prefix_caching=True),
-                           arrivals, smollm)
-    decode = DecodeWorker(dres, arrivals)
-    pres = _prefill_worker(smollm, num_blocks=128, prefix_caching=True, warmup_chunk_tokens=1024)
-    prefill = PrefillWorker(pres)
-    try:
-        prefill.connect("d", dres.transfer.describe())
+    with running_pair(smollm, dict(num_blocks=128, prefix_caching=True),
+                      dict(num_blocks=128, prefix_caching=True, warmup_chunk_tokens=1024)) as (prefill, decode):
         tk = smollm.tokenizer
         history = tk.encode("The lighthouse keeper wrote in his log every night. " * 100)[:60 * BS]
         warm = prefill.warm("long~warm", history)   # one pass of 960 tokens: seconds on a CPU
@@ -165,10 +146,4 @@ def test_a_prefill_stops_a_warm_up_pass_between_layers(smollm):
         _, res2, out = _run(prefill, decode, "after-warmup", longer)
         assert res2.prefix_hit_tokens == len(history)
         assert out == ref.generate([longer], PARAMS)[0].token_ids
-        assert pres.pool.allocator.num_free == pres.pool.num_blocks
-    finally:
-        prefill.close()
-        decode.close()
-        pres.close()
-        dres.close()
-    assert not prefill._thread.is_alive() and not decode._thread.is_alive()
+        assert prefill.res.pool.allocator.num_free == prefill.res.pool.num_blocks
