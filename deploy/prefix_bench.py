@@ -42,7 +42,7 @@ import argparse
 import asyncio
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks per worker")
     p.add_argument("--kv-policy", default="kv", help="router policy of the 'kv' runs")
     p.add_argument("--clusters", help="comma-separated subset of: " + ",".join(s.name for s in plan()))
+    p.add_argument("--conversations", type=int, default=0,
+                   help="multi-turn conversations (0: the default size's; more make the p50 steadier)")
     return p
 
 
@@ -244,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
+    if args.conversations < 0:
+        print("error: --conversations must be >= 0", file=sys.stderr)
+        return 2
+    if args.conversations:
+        sizes = replace(sizes, conversations=args.conversations)
     specs = plan(args.kv_policy)
     if args.clusters:
         chosen = {c.strip() for c in args.clusters.split(",") if c.strip()}

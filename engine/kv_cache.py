@@ -191,6 +191,17 @@ class BlockAllocator:
             self._events.clear()
             return False, stored, removed
 
+    def cached_prefix_blocks(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` are cached now; takes no reference and counts
+        in no statistic (a scheduler's estimate: the cache may change before `lookup`)."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._by_hash:
+                    break
+                n += 1
+        return n
+
     def lookup(self, hashes: Sequence[bytes]) -> list[BlockId]:
         """The blocks holding the longest cached prefix of ``hashes`` (chained block hashes, in
         order), each with a reference taken for the caller."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ class PrefillJob:
     num_held: int = 0                 # leading prompt blocks the decode worker holds: not written
     warm: bool = False                # a prefix-cache warm-up: no first token, no writes
     state: JobState = JobState.QUEUED
+    queued_at: float = field(default_factory=time.monotonic)   # monotonic seconds (scheduling order)
     error: Exception | None = None
     src_blocks: list[BlockId] = field(default_factory=list)
     num_computed: int = 0

@@ -25,14 +25,8 @@ failed job stops posting at the next layer; it is finished once its posted write
 which is the "abort acknowledged" the decode side's block-reuse rule relies on. A failure of one
 job (its plan, its sampling, its peer) never fails its batch-mates.
 
-Warm-ups (`warm`, prefix caching only): the router hands back a finished request's prompt +
-output so the next turn of the conversation finds its previous answer cached here, not only on
-the decode worker that decoded it. A warm-up computes the full blocks the cache lacks into it and
-writes nothing; it runs only when no prefill is queued, ``warmup_chunk_tokens`` at a time, and
-a pass of it stops between two layers as soon as a prefill is queued (`_Preempted`: the pass's
-K/V went into the warm-up's own unregistered blocks and is computed again later), so a prefill
-waits for one layer of it at most. It is dropped, not run, when it would take more than
-``_WARMUP_POOL_SHARE`` of the pool or when its own lease passes while queued.
+Warm-ups (`warm`, prefix caching only; `prefill.warmup`): computing a finished request's prompt +
+output into the prefix cache, lowest priority, preempted between layers by any prefill.
 
 Threads: ``prefill-loop`` (scheduling and forward passes) and ``prefill-sender`` (transfer
 completion and retirement); RPC callers never block: they get the job and a done callback.
@@ -60,8 +54,9 @@ from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, 
                         plan_writes, to_write_ops)
 from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
 from prefill.job import DecodePeer, JobState, PrefillJob
-from worker.errors import (CacheDisabledError, DrainingError, PrefillAborted, PrefillError, PrefillTimeout,
-                           WarmupDropped)
+from prefill.scheduler import PassBudget, RateMeter, by_response_ratio, default_batch_tokens
+from prefill.warmup import Preempted, WarmupQueue
+from worker.errors import CacheDisabledError, DrainingError, PrefillAborted, PrefillError, PrefillTimeout
 from worker.liveness import LoopWatch
 from worker.runtime import WorkerResources
 from worker.validate import check_request_id, check_seconds
@@ -69,12 +64,6 @@ from worker.validate import check_request_id, check_seconds
 log = logging.getLogger(__name__)
 
 _TRANSFER_GRACE_S = 10.0   # how long past its lease the sender waits for a job's posted writes
-_MAX_WARMUPS = 64          # warm-ups queued at most (more: RESOURCE_EXHAUSTED)
-_WARMUP_POOL_SHARE = 0.5   # a warm-up runs only if the pool keeps this share free for prefills
-
-
-class _Preempted(Exception):
-    """A warm-up pass stopped between layers because a prefill was queued (`PrefillWorker._run`)."""
 
 
 @dataclass(frozen=True)
@@ -97,10 +86,13 @@ class PrefillWorker:
         self._lock = threading.Condition()
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}
-        self._warmups: deque[PrefillJob] = deque()   # lowest priority: run when _queue is empty
+        self._warmups = WarmupQueue(res.pool, res.config.prefill_timeout_s)   # run when _queue is empty
         self._sending: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()
         self._draining = False
         self._stop = threading.Event()
+        c = res.config
+        self._batch_tokens = c.prefill_batch_tokens or default_batch_tokens(c.device, c.max_num_batched_tokens)
+        self._rate = RateMeter()   # prefill tokens/s, for the response ratios
         self.metrics = {"prefills_completed": 0, "prefills_failed": 0, "prefills_aborted": 0,
                         "kv_bytes_sent": 0, "kv_bytes_skipped": 0, "prompt_tokens": 0,
                         "prefix_hit_tokens": 0, "warmups_completed": 0, "warmups_dropped": 0,
@@ -189,28 +181,22 @@ class PrefillWorker:
         return job
 
     def warm(self, request_id: str, token_ids: list[int]) -> PrefillJob:
-        """Queue a warm-up of ``token_ids``' full blocks into the prefix cache (module doc);
+        """Queue a warm-up of ``token_ids``' full blocks into the prefix cache (`prefill.warmup`);
         returns at once with the job (``job.finished`` is set once it ran or was dropped;
         dropped: ``job.error`` is a `WarmupDropped`).
 
         Raises (nothing queued): CacheDisabledError (prefix caching off), InvalidRequestError
-        (bad id or tokens), CapacityError (``_MAX_WARMUPS`` queued), DrainingError.
+        (bad id or tokens), CapacityError (`prefill.warmup.MAX_QUEUED` queued), DrainingError.
         """
         if not self.res.config.prefix_caching:
             raise CacheDisabledError("this prefill worker runs without a prefix cache (--prefix-caching)")
-        c, bs = self.res.loaded.config, self.res.pool.block_size
+        c = self.res.loaded.config
         check_request_id(request_id)
         validate_request(token_ids, SamplingParams(max_tokens=1), c.max_position, c.vocab_size)
-        full = len(token_ids) // bs * bs
-        job = PrefillJob(request_id, list(token_ids[:full]), SamplingParams(max_tokens=1), None, [], 0, 0,
-                         time.monotonic() + self.res.config.prefill_timeout_s, warm=True)
-        job.block_hashes = block_hashes(job.token_ids, bs)
         with self._lock:
             if self._draining:
                 raise DrainingError("prefill worker is draining")
-            if len(self._warmups) >= _MAX_WARMUPS:
-                raise CapacityError(f"{_MAX_WARMUPS} warm-ups are queued already")
-            self._warmups.append(job)
+            job = self._warmups.add(request_id, token_ids)
             self._lock.notify_all()
         return job
 
@@ -239,7 +225,7 @@ class PrefillWorker:
         end = time.monotonic() + timeout_s
         with self._lock:
             self._draining = True
-            dropped = self._drop_warmups(running=False)
+            dropped = self._warmups.drop(running=False, why="the worker is draining")
         for job in dropped:
             self._sending.put(job)
         with self._lock:
@@ -258,7 +244,7 @@ class PrefillWorker:
             self._retire(job)
         self._thread.join(timeout=30)
         with self._lock:
-            dropped = self._drop_warmups(running=True)
+            dropped = self._warmups.drop(running=True, why="the worker is stopping")
         for job in dropped:
             self._sending.put(job)
         self._sending.put(None)
@@ -311,79 +297,57 @@ class PrefillWorker:
         return expired
 
     def _schedule(self) -> list[tuple[PrefillJob, SeqChunk]]:
-        budget = self.res.config.max_num_batched_tokens
+        """The next pass: queued prompts by response ratio up to the pass budget
+        (`prefill.scheduler`), else a warm-up chunk."""
+        for job in [j for j in self._queue if j.stopped]:   # aborted or failed between passes:
+            self._queue.remove(job)                         # retire it, compute no more
+            self._sending.put(job)
+        budget = PassBudget(self.res.config.max_num_batched_tokens, self._batch_tokens)
         batch = []
-        for job in list(self._queue):
-            if job.stopped:   # aborted or failed between passes: retire it, compute no more
-                self._queue.remove(job)
-                self._sending.put(job)
-                continue
-            if budget <= 0:
+        for job in by_response_ratio(self._queue, time.monotonic(), self._rate.tokens_per_s,
+                                     lambda j: j.queued_at, self._remaining):
+            take = budget.take(self._remaining(job))   # an estimate until the job holds blocks
+            if not take:
                 break
             if not job.src_blocks:
                 if not self._take_blocks(job):
-                    break
+                    break   # no room for the first in line: nobody overtakes it for blocks
                 job.move(JobState.COMPUTING)
-            take = min(len(job.token_ids) - job.num_computed, budget)
-            end = job.num_computed + take
+            end = job.num_computed + min(take, len(job.token_ids) - job.num_computed)
             last = end == len(job.token_ids)
             batch.append((job, SeqChunk(job.token_ids[job.num_computed:end], job.num_computed,
                                         job.src_blocks, need_logits=last,
                                         prompt_logits=job.params.prompt_logprobs is not None)))
-            budget -= take
             if not last:
                 break
-        if not self._queue and budget > 0:
-            batch += self._schedule_warmup(min(budget, self.res.config.warmup_chunk_tokens))
+        if not self._queue:
+            batch += self._warmups.next_chunk(self.res.config.warmup_chunk_tokens, self._take_blocks,
+                                              self._sending.put)
         return batch
 
-    def _schedule_warmup(self, budget: int) -> list[tuple[PrefillJob, SeqChunk]]:
-        """The next chunk of the oldest warm-up (none while a prefill is queued); warm-ups that
-        are already cached finish here, those that cannot run are dropped."""
-        alloc = self.res.pool.allocator
-        while self._warmups:
-            job = self._warmups[0]
-            if not job.src_blocks:
-                if time.monotonic() >= job.deadline or (
-                        alloc.num_free - len(job.block_hashes) < _WARMUP_POOL_SHARE * self.res.pool.num_blocks):
-                    job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: the pool needs its room"))
-                elif self._take_blocks(job):
-                    job.move(JobState.COMPUTING)
-                else:
-                    job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: no room in the pool"))
-            if job.stopped or job.num_computed == len(job.token_ids):   # dropped, or cached whole
-                self._warmups.popleft()
-                if job.state == JobState.COMPUTING:
-                    job.move(JobState.TRANSFERRING)
-                self._sending.put(job)   # no handles: retired (blocks freed) off this lock
-                continue
-            end = min(len(job.token_ids), job.num_computed + budget)
-            return [(job, SeqChunk(job.token_ids[job.num_computed:end], job.num_computed, job.src_blocks,
-                                   need_logits=False))]
-        return []
+    def _remaining(self, job: PrefillJob) -> int:
+        """Prompt tokens ``job`` still computes; before it has blocks, less its cached prefix now."""
+        if job.src_blocks:
+            return len(job.token_ids) - job.num_computed
+        hashes = self._hashes(job)
+        hit = self.res.pool.allocator.cached_prefix_blocks(hashes) if hashes else 0
+        return max(1, len(job.token_ids) - hit * self.res.pool.block_size)
 
-    def _drop_warmups(self, running: bool) -> list[PrefillJob]:
-        """With the lock held: drop queued warm-ups (and the running one when ``running``:
-        only once the loop thread stopped); returns them, to be retired."""
-        keep = [j for j in self._warmups if j.src_blocks and not running]
-        dropped = [j for j in self._warmups if j not in keep]
-        self._warmups = deque(keep)
-        for job in dropped:
-            job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: the worker is stopping"))
-            if job.state == JobState.COMPUTING:
-                job.move(JobState.TRANSFERRING)
-        return dropped
+    def _hashes(self, job: PrefillJob) -> list:
+        """The job's full-block hashes for the prefix cache (computed once; none when caching is
+        off, for prompt logprobs, which need every position's logits, and for the last token,
+        which is always computed)."""
+        if (self.res.config.prefix_caching and job.params.prompt_logprobs is None and not job.block_hashes
+                and not job.warm):
+            job.block_hashes = block_hashes(job.token_ids[:len(job.token_ids) - 1], self.res.pool.block_size)
+        return job.block_hashes
 
     def _take_blocks(self, job: PrefillJob) -> bool:
         """Give ``job`` its local blocks: with prefix caching, the cached blocks of its longest
         cached prefix (not computed again; at least the last token is) and fresh ones for the
         rest. False (nothing taken) when the pool cannot hold it now."""
         alloc, bs = self.res.pool.allocator, self.res.pool.block_size
-        need = blocks_needed(len(job.token_ids), bs)
-        if (self.res.config.prefix_caching and job.params.prompt_logprobs is None and not job.block_hashes
-                and not job.warm):
-            job.block_hashes = block_hashes(job.token_ids[:len(job.token_ids) - 1], bs)   # once per job
-        taken = alloc.allocate_after_prefix(job.block_hashes, need)
+        taken = alloc.allocate_after_prefix(self._hashes(job), blocks_needed(len(job.token_ids), bs))
         if taken is None:
             return False
         job.src_blocks, hit = taken
@@ -416,7 +380,7 @@ class PrefillWorker:
                 continue
             try:
                 self._run(batch)
-            except _Preempted:   # the warm-up stays first in line, its chunk not counted
+            except Preempted:   # the warm-up stays first in line, its chunk not counted
                 self.metrics["warmup_preemptions"] += 1
             except Exception as exc:  # the forward pass itself failed: fail the batch, keep serving
                 log.exception("prefill pass failed")
@@ -425,16 +389,15 @@ class PrefillWorker:
                         job.fail(PrefillError(f"prefill failed: {exc}"))
                         if job in self._queue:
                             self._queue.remove(job)
-                        if job in self._warmups:
-                            self._warmups.remove(job)
+                        self._warmups.remove(job)
                 for job, _ in batch:
                     self._sending.put(job)
 
     def _yield_to_prefills(self, layer: int) -> None:
-        """A warm-up pass's layer callback: raise `_Preempted` once a prefill is queued (read
+        """A warm-up pass's layer callback: raise `Preempted` once a prefill is queued (read
         without the lock: a stale answer costs one layer)."""
         if self._queue:
-            raise _Preempted(f"a prefill arrived at layer {layer}")
+            raise Preempted(f"a prefill arrived at layer {layer}")
 
     def _post_layer(self, layer: int, finishing: list[PrefillJob]) -> None:
         """Post this layer's writes of every finishing job; a job's failure stops it alone."""
@@ -493,6 +456,7 @@ class PrefillWorker:
             choices.append((got, drawn_lps[at:at + j.params.n]) if j.params.n > 1 else None)
             at += j.params.n
         elapsed = time.monotonic() - t0
+        self._rate.add(sum(len(c.token_ids) for _, c in batch), elapsed)
         with self._lock:
             for job, chunk in batch:
                 job.num_computed += len(chunk.token_ids)
@@ -501,9 +465,7 @@ class PrefillWorker:
                     self._register_full_blocks(job)
                 if job.warm:
                     self.metrics["warmup_tokens_computed"] += len(chunk.token_ids)
-                    if job.num_computed == len(job.token_ids) and self._warmups and self._warmups[0] is job:
-                        self._warmups.popleft()
-                        job.move(JobState.TRANSFERRING)
+                    if self._warmups.chunk_done(job):
                         self._sending.put(job)
             for job, token, lp, choice in zip(finishing, tokens, logprobs, choices):
                 if isinstance(token, SamplingError):

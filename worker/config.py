@@ -39,6 +39,9 @@ class WorkerConfig:
             requests whose KV arrived beyond it wait, their blocks held, for a place.
         max_num_batched_tokens: prefill: most prompt tokens per forward pass (longer prompts are
             chunked).
+        prefill_batch_tokens: prefill: other prompts join a pass only while it holds fewer tokens
+            than this, the device's throughput knee (`prefill.scheduler`); 0: 128 on the CPU,
+            ``max_num_batched_tokens`` on CUDA.
         prefix_caching: keep a prefix cache of full KV blocks (engine.kv_cache): the prefill worker
             computes only what follows a prompt's cached prefix; the decode worker holds the
             cached blocks of a prompt at Reserve so they are not sent again (delta transfer)
@@ -75,6 +78,7 @@ class WorkerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    prefill_batch_tokens: int = 0
     prefix_caching: bool = False
     warmup_chunk_tokens: int = 128
     threads: int = 1
@@ -104,6 +108,9 @@ class WorkerConfig:
                      "max_write_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_batch_tokens < 0:
+            raise ValueError(f"prefill_batch_tokens must be >= 0 (0: the device's default), "
+                             f"got {self.prefill_batch_tokens}")
         for name in ("heartbeat_interval_s", "transfer_timeout_s", "prefill_timeout_s", "quarantine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

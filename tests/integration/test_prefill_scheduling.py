@@ -1,0 +1,73 @@
+"""The prefill worker's scheduling on the real model (in process, tcp data plane): prompts that
+queue together finish shortest first, in passes no larger than the CPU knee, and every one of
+them still gets the engine's output and gives its blocks back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from decode.worker import QueueSink
+from engine.config import CacheConfig
+from engine.loader import build_generator
+from engine.sampling import SamplingParams
+from prefill.job import JobState
+from tests.integration.test_delta_transfer import running_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(smollm):
+    with running_pair(smollm, dict(num_blocks=160), dict(num_blocks=160)) as w:
+        yield w
+
+
+def _prompt(smollm, text: str, n: int) -> list[int]:
+    ids = smollm.tokenizer.encode(text * (n // 4 + 1))
+    return ids[:n]
+
+
+def test_a_burst_finishes_shortest_first_and_each_output_is_the_engines(pair, smollm):
+    prefill, decode = pair
+    assert prefill._batch_tokens == 128   # the CPU default (prefill.scheduler)
+    blocker = _prompt(smollm, "The river bends past the mill. ", 400)   # keeps the loop busy
+    long_ = _prompt(smollm, "A long account of the harvest season. ", 520)
+    shorts = [_prompt(smollm, f"Short note number {i}. ", 30 + 5 * i) for i in range(3)]
+    prompts = {"blocker": blocker, "long": long_} | {f"short{i}": p for i, p in enumerate(shorts)}
+    finished: list[str] = []
+    lock = threading.Lock()
+    reservations, jobs = {}, {}
+    for rid, prompt in prompts.items():
+        reservations[rid] = decode.reserve(rid, len(prompt), PARAMS.max_tokens, prompt)
+    for rid, prompt in prompts.items():   # the rest queue while the blocker computes
+        r = reservations[rid]
+        jobs[rid] = prefill.submit(rid, prompt, PARAMS, "d", r.blocks, r.slot, r.generation)
+        jobs[rid].add_done_callback(lambda job: (lock.acquire(), finished.append(job.request_id), lock.release()))
+        while rid == "blocker" and jobs[rid].state == JobState.QUEUED:
+            time.sleep(0.001)
+    for job in jobs.values():
+        assert job.finished.wait(120)
+    # FIFO would run "long" right after the blocker (and, batched, with the shorts); shortest
+    # first runs the three shorts (105 tokens: one pass under the knee) before it
+    assert finished[0] == "blocker" and finished[-1] == "long", finished
+    assert sorted(finished[1:4]) == ["short0", "short1", "short2"]
+    gen = build_generator(smollm, CacheConfig(num_blocks=128))
+    for rid, prompt in prompts.items():
+        res = jobs[rid].result()
+        sink = QueueSink()
+        decode.start_decode(rid, res.first_token, res.num_writes, prompt, PARAMS, sink)
+        tokens = [res.first_token]
+        while True:
+            out = sink.items.get(timeout=120)
+            assert not isinstance(out, Exception), out
+            tokens += out.new_token_ids
+            if out.request_finished:
+                break
+        assert tokens == gen.generate([prompt], PARAMS)[0].token_ids, rid
+    assert prefill.res.pool.allocator.num_free == prefill.res.pool.num_blocks
+    assert decode.res.pool.allocator.num_free == decode.res.pool.num_blocks
