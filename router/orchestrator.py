@@ -54,7 +54,7 @@ from router.config import RouterConfig
 from router.errors import InvalidRequest, NoWorkers, UpstreamError
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
-from router.policy import Inflight, Policy, avoid_last
+from router.policy import Inflight, Policy, avoid_last, sequence_blocks
 from router.request import Delta, GenerationRequest, Holding  # noqa: F401  (re-exported)
 from router.serving import ServingPath, choose_path
 from router.warmup import Warmups
@@ -353,7 +353,11 @@ class Orchestrator:
 
     def _after_finish(self, hold: Holding, runs: list[_Run]) -> None:
         """The decode worker now caches the prompt and what it decoded but the last token: tell
-        the KV index before its events do; the prefill worker warms up with the same (`router.warmup`)."""
+        the KV index before its events do; the prefill worker warms up with the same (`router.warmup`).
+        Its blocks are free (or cached) there now, before a heartbeat says so (`Inflight`)."""
+        if hold.decode is not None:
+            self.inflight.add_release(hold.decode, sequence_blocks(
+                len(runs[0].req.prompt_token_ids), [len(r.generated) for r in runs], max(1, hold.decode.block_size)))
         if hold.hashes and hold.decode is not None and hold.decode.prefix_caching:
             for run in runs:   # each choice's tokens start with the attempt's prompt
                 tokens = [*run.req.prompt_token_ids, *run.generated][:-1]

@@ -2,10 +2,12 @@
 
 A policy orders candidates best first; the orchestrator tries them in that order (a decode
 worker that answers RESOURCE_EXHAUSTED is skipped for the next). Heartbeat load figures are up to
-one interval old, so the router adds what it has itself put on each worker since (`Inflight`).
+one interval old, so the router adds what it has itself put on each worker since, and takes off
+what it saw finish there since (`Inflight`).
 
 - ``load``: decode by effective free blocks (heartbeat free blocks minus blocks this router
-  reserved that no heartbeat reflects yet), then fewest running sequences; prefill by queued
+  reserved, plus blocks of requests this router saw finish, that no heartbeat reflects yet),
+  then fewest running sequences; prefill by queued
   prompt tokens (heartbeat figure plus this router's in-flight Prefill calls' tokens).
 - ``round_robin``: rotate through the candidates, ignoring load.
 - ``kv``: KV-aware (Dynamo's KV router cost, in blocks, lower is better): for each candidate
@@ -39,27 +41,40 @@ _HEARTBEATS_TO_REFLECT = 2
 
 @dataclass
 class Inflight:
-    """What this router has put on workers that their heartbeats may not show yet.
+    """What this router has put on, or seen leave, workers that their heartbeats may not show yet.
 
     ``reserved``: decode worker id -> list of (heartbeats seen at reservation, blocks).
+    ``released``: decode worker id -> list of (heartbeats seen at the finish, blocks) of requests
+    that finished there (their blocks are free or cached, evictable, now). Without it a
+    conversation's next turn, sent the moment its answer ends, finds its own previous turn still
+    counted as in use on the worker holding its KV, and may be sent away from it.
     ``prefill_tokens``: prefill worker id -> prompt tokens of Prefill calls in flight.
     """
 
     reserved: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    released: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     prefill_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add_reservation(self, decode: Member, blocks: int) -> None:
         self.reserved[decode.worker_id].append((decode.heartbeats, blocks))
 
+    def add_release(self, decode: Member, blocks: int) -> None:
+        """A request holding ``blocks`` blocks on ``decode`` finished."""
+        self.released[decode.worker_id].append((decode.heartbeats, blocks))
+
     def pending_blocks(self, decode: Member) -> int:
         """Blocks reserved here that ``decode.load`` may not include; drops reflected ones."""
-        live = [(hb, n) for hb, n in self.reserved.get(decode.worker_id, ())
-                if decode.heartbeats < hb + _HEARTBEATS_TO_REFLECT]
-        if live:
-            self.reserved[decode.worker_id] = live
-        else:
-            self.reserved.pop(decode.worker_id, None)
-        return sum(n for _, n in live)
+        return _unreflected(self.reserved, decode)
+
+    def released_blocks(self, decode: Member) -> int:
+        """Blocks of requests that finished that ``decode.load`` may still count in use."""
+        return _unreflected(self.released, decode)
+
+    def free_blocks(self, decode: Member) -> int:
+        """``decode``'s free blocks as this router knows them: the heartbeat's, less what it
+        reserved, plus what it saw finish since (at most the pool)."""
+        free = decode.load.free_blocks - self.pending_blocks(decode) + self.released_blocks(decode)
+        return min(free, decode.load.total_blocks) if decode.load.total_blocks else free
 
     def start_prefill(self, prefill_id: str, tokens: int) -> None:
         self.prefill_tokens[prefill_id] += tokens
@@ -70,6 +85,24 @@ class Inflight:
             self.prefill_tokens[prefill_id] = left
         else:
             self.prefill_tokens.pop(prefill_id, None)
+
+
+def sequence_blocks(prompt_tokens: int, generated: Sequence[int], block_size: int) -> int:
+    """KV blocks a finished request held on its decode worker: its choices share the prompt's
+    full blocks; each has its own partial prompt block and output blocks. ``generated``: output
+    tokens per choice."""
+    shared = prompt_tokens // block_size
+    return shared + sum(-(-(prompt_tokens + g) // block_size) - shared for g in generated)
+
+
+def _unreflected(entries: dict[str, list[tuple[int, int]]], decode: Member) -> int:
+    live = [(hb, n) for hb, n in entries.get(decode.worker_id, ())
+            if decode.heartbeats < hb + _HEARTBEATS_TO_REFLECT]
+    if live:
+        entries[decode.worker_id] = live
+    else:
+        entries.pop(decode.worker_id, None)
+    return sum(n for _, n in live)
 
 
 class Policy:
@@ -94,7 +127,7 @@ class LoadPolicy(Policy):
 
     def order_decode(self, decodes, inflight, needed_blocks, hashes=()):
         def key(m: Member):
-            free = m.load.free_blocks - inflight.pending_blocks(m)
+            free = inflight.free_blocks(m)
             return (free < needed_blocks, -free, m.load.running + m.load.waiting, m.worker_id)
         return sorted(decodes, key=key)
 
@@ -140,7 +173,7 @@ class KVPolicy(Policy):
 
     def order_decode(self, decodes, inflight, needed_blocks, hashes=()):
         def key(m: Member):
-            free = m.load.free_blocks - inflight.pending_blocks(m)
+            free = inflight.free_blocks(m)
             new = needed_blocks - self.index.overlap(m.worker_id, hashes)
             used = m.load.total_blocks - free
             return (free < new, self.decode_overlap_weight * new + used, m.load.running + m.load.waiting,

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from router.membership import Load, Member, WorkerState
-from router.policy import Inflight, LoadPolicy, RoundRobinPolicy, make_policy
+from router.policy import Inflight, LoadPolicy, RoundRobinPolicy, make_policy, sequence_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -43,6 +43,34 @@ def test_router_reservations_count_until_heartbeats_reflect_them():
     d0_later = replace(d0, heartbeats=d0.heartbeats + 2, load=Load(free_blocks=20))
     assert inflight.pending_blocks(d0_later) == 0
     assert ids(LoadPolicy().order_decode([d0_later, d1], inflight, 1)) == ["d1", "d0"]
+
+
+def test_blocks_of_finished_requests_count_as_free_until_heartbeats_reflect_them():
+    from router.kvindex import KVIndex
+    idx = KVIndex()
+    h = [bytes([i]) * 16 for i in range(20)]
+    idx.apply("d0", _events(snapshot=True, stored=h[:12]))   # holds the conversation's 12 blocks
+    idx.apply("d1", _events(snapshot=True, stored=[]))
+    # the last heartbeat of d0 still counts the finished turn (and two others) in use: 70 blocks
+    d0, d1 = (member("d0", "decode", free_blocks=30, total_blocks=100),
+              member("d1", "decode", free_blocks=95, total_blocks=100))
+    pol = make_policy("kv", idx)
+    inflight = Inflight()
+    assert ids(pol.order_decode([d0, d1], inflight, 20, h)) == ["d1", "d0"]   # 4 x 8 + 70 > 4 x 20 + 5
+    inflight.add_release(d0, 40)                       # the router saw 40 of them finish since
+    assert inflight.released_blocks(d0) == 40 and inflight.free_blocks(d0) == 70
+    assert ids(pol.order_decode([d0, d1], inflight, 20, h)) == ["d0", "d1"]   # 4 x 8 + 30 < 85
+    inflight.add_release(d0, 80)
+    assert inflight.free_blocks(d0) == 100                 # never more than the pool
+    d0_later = replace(d0, heartbeats=d0.heartbeats + 2, load=Load(free_blocks=70, total_blocks=100))
+    assert inflight.released_blocks(d0_later) == 0 and inflight.free_blocks(d0_later) == 70
+
+
+def test_a_finished_request_released_its_prompt_blocks_once_and_each_choices_own():
+    assert sequence_blocks(40, [30], 16) == 5          # 70 tokens
+    assert sequence_blocks(32, [0], 16) == 2
+    # two choices share the 2 full prompt blocks; each has its own third block onwards
+    assert sequence_blocks(40, [30, 8], 16) == 2 + 3 + 1
 
 
 def test_prefill_by_queued_tokens_including_in_flight():
