@@ -78,35 +78,31 @@ def burst(loaded, news: list[int], cached: int, max_tokens: int, batch_tokens: i
                     ttft[i] = clock
         return ttft
 
-    def fifo(cap_first: int, cap_rest: int):
+    def policy(order, cap_first: int, cap_rest: int):
+        """Passes as the worker builds them: prompts in ``order``, each pass a fresh `PassBudget`."""
         def plan_next(done, clock):
             budget, plan = PassBudget(cap_first, cap_rest), []
-            for i in range(len(news)):
-                if done[i] < total[i]:
-                    n = budget.take(total[i] - done[i])
-                    if n:
-                        plan.append((i, n))
-                    if done[i] + n < total[i]:
-                        break
+            for i in order([i for i in range(len(news)) if done[i] < total[i]], clock, done):
+                n = budget.take(total[i] - done[i])
+                if n:
+                    plan.append((i, n))
+                if done[i] + n < total[i]:
+                    break
             return plan
         return plan_next
 
-    def scheduler(done, clock):
-        budget, plan = PassBudget(max_tokens, batch_tokens), []
-        waiting = [i for i in range(len(news)) if done[i] < total[i]]
-        for i in by_response_ratio(waiting, clock, 600.0, lambda i: 0.0, lambda i: total[i] - done[i]):
-            n = budget.take(total[i] - done[i])
-            if n:
-                plan.append((i, n))
-            if done[i] + n < total[i]:
-                break
-        return plan
+    def fifo(waiting, clock, done):
+        return waiting
+
+    def hrrn(waiting, clock, done):   # all queued 1 ms before the first pass; the rate scales the ratios
+        return by_response_ratio(waiting, clock + 1e-3, 600.0, lambda i: 0.0, lambda i: total[i] - done[i])
 
     out = {}
-    for name, policy in (("fifo-one-pass", fifo(max_tokens, max_tokens)), ("fifo-one-at-a-time", fifo(max_tokens, 1)),
-                         ("scheduler", scheduler)):
-        run(policy)   # warm-up
-        ttft = run(policy)
+    for name, plan_next in (("fifo-one-pass", policy(fifo, max_tokens, max_tokens)),
+                            ("fifo-one-at-a-time", policy(fifo, max_tokens, 1)),
+                            ("scheduler", policy(hrrn, max_tokens, batch_tokens))):
+        run(plan_next)   # warm-up
+        ttft = run(plan_next)
         out[name] = {"ttft_s": ttft, "mean_ms": statistics.mean(ttft) * 1e3,
                      "p50_ms": statistics.median(ttft) * 1e3, "last_ms": max(ttft) * 1e3}
     return out

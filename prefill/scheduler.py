@@ -4,8 +4,8 @@ A prefill's whole output is its first token, so a prompt's TTFT ends with the pa
 its last chunk, and every prompt of a pass finishes when the pass does. Two rules follow:
 
 1. **Order: highest response ratio next** (HRRN; P. Brinch Hansen, "Short-term scheduling in
-   multiprogramming systems", SOSP 1971). A queued prompt's ratio is ``(waited + service) / service``,
-   ``service`` = its tokens still to compute (less the blocks the prefix cache holds now) / the
+   multiprogramming systems", SOSP 1971). A queued prompt's ratio is
+   ``(waited + service) / service``, ``service`` = its tokens still to compute (less the blocks the prefix cache holds now) / the
    worker's measured prefill rate. Prompts that arrive together run shortest first, which is
    what minimises their mean TTFT (shortest-remaining-first); a long prompt's ratio grows while
    it waits, so a stream of short ones cannot starve it (its slowdown is bounded). FIFO, vLLM's
@@ -14,12 +14,12 @@ its last chunk, and every prompt of a pass finishes when the pass does. Two rule
    only until the pass fills the device; past that point it only makes the earlier prompts wait
    for the later ones. The first prompt in ratio order takes up to ``max_num_batched_tokens``
    (longer ones are chunked); the next ones join whole while the pass stays within
-   ``batch_tokens``; the first that does not fit closes the pass. Joining whole beat joining
-   with a chunk of what is left on every burst of ``python -m prefill.bench`` (a chunked prompt
-   finishes a pass later anyway, and delays the pass it rides in). Measured with that script
-   (SmolLM2-135M float32, one thread, this project's 2-core machine): a pass of 16 / 64 / 128 /
-   256 / 512 tokens computes 222 / 485 / 621 / 692 / 640 tokens/s, so the CPU default is 128
-   (~90% of the peak); on a GPU the knee lies near the chunk size (vLLM and Sarathi-Serve's
+   ``batch_tokens``; the first that does not fit closes the pass. Joining whole rather than with
+   a chunk of what is left gave a lower p50 TTFT on each of three bursts tried with
+   ``prefill.bench.burst`` (a chunked prompt finishes a pass later anyway, and delays the pass it
+   rides in). Measured with ``python -m prefill.bench`` (SmolLM2-135M float32, one thread, this
+   project's 2-core machine): a pass of 16 / 64 / 128 / 256 / 512 tokens computes 208 / 458 / 603 / 645 / 594 tokens/s, so the CPU default is 128
+   (over 90% of the peak); on a GPU the knee lies near the chunk size (vLLM and Sarathi-Serve's
    token budgets of 512-2048), so the default there is ``max_num_batched_tokens``: one pass as
    before.
 

@@ -74,15 +74,20 @@ def _run(prefill, decode, rid: str, prompt: list[int]):
     """Reserve (with the prompt), prefill the rest, decode; (reservation, prefill result, tokens)."""
     r = decode.reserve(rid, len(prompt), PARAMS.max_tokens, prompt)
     res = _prefill(prefill, r, rid, prompt)
+    return r, res, decode_all(decode, rid, res, prompt, PARAMS)
+
+
+def decode_all(decode, rid: str, res, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Decode a prefilled request to its end; its tokens, the prefill's first token first."""
     sink = QueueSink()
-    decode.start_decode(rid, res.first_token, res.num_writes, prompt, PARAMS, sink)
+    decode.start_decode(rid, res.first_token, res.num_writes, prompt, params, sink)
     tokens = [res.first_token]
     while True:
         out = sink.items.get(timeout=120)
         assert not isinstance(out, Exception), out
         tokens += out.new_token_ids
         if out.request_finished:
-            return r, res, tokens
+            return tokens
 
 
 def _block_bytes(decode) -> int:

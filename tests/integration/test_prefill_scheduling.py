@@ -9,12 +9,11 @@ import time
 
 import pytest
 
-from decode.worker import QueueSink
 from engine.config import CacheConfig
 from engine.loader import build_generator
 from engine.sampling import SamplingParams
 from prefill.job import JobState
-from tests.integration.test_delta_transfer import running_pair
+from tests.integration.test_delta_transfer import decode_all, running_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -58,16 +57,18 @@ def test_a_burst_finishes_shortest_first_and_each_output_is_the_engines(pair, sm
     assert sorted(finished[1:4]) == ["short0", "short1", "short2"]
     gen = build_generator(smollm, CacheConfig(num_blocks=128))
     for rid, prompt in prompts.items():
-        res = jobs[rid].result()
-        sink = QueueSink()
-        decode.start_decode(rid, res.first_token, res.num_writes, prompt, PARAMS, sink)
-        tokens = [res.first_token]
-        while True:
-            out = sink.items.get(timeout=120)
-            assert not isinstance(out, Exception), out
-            tokens += out.new_token_ids
-            if out.request_finished:
-                break
+        tokens = decode_all(decode, rid, jobs[rid].result(), prompt, PARAMS)
         assert tokens == gen.generate([prompt], PARAMS)[0].token_ids, rid
     assert prefill.res.pool.allocator.num_free == prefill.res.pool.num_blocks
     assert decode.res.pool.allocator.num_free == decode.res.pool.num_blocks
+
+
+def test_the_burst_benchmark_runs_each_policys_passes(smollm):
+    from prefill.bench import burst
+
+    res = burst(smollm, [40, 12, 24], cached=16, max_tokens=2048, batch_tokens=48)
+    one_pass, one_at_a_time, sched = (res[k]["ttft_s"] for k in ("fifo-one-pass", "fifo-one-at-a-time", "scheduler"))
+    assert len(set(one_pass)) == 1                                  # all in one pass: one finish time
+    assert one_at_a_time[0] < one_at_a_time[1] < one_at_a_time[2]  # arrival order, a pass each
+    # shortest first: 12 and 24 (36 <= 48) share the first pass, 40 runs alone after them
+    assert sched[1] == sched[2] < sched[0]
