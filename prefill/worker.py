@@ -304,9 +304,10 @@ class PrefillWorker:
             self._sending.put(job)
         budget = PassBudget(self.res.config.max_num_batched_tokens, self._batch_tokens)
         batch = []
+        remaining = {j.request_id: self._remaining(j) for j in self._queue}   # one cache lookup each
         for job in by_response_ratio(self._queue, time.monotonic(), self._rate.tokens_per_s,
-                                     lambda j: j.queued_at, self._remaining):
-            take = budget.take(self._remaining(job))   # an estimate until the job holds blocks
+                                     lambda j: j.queued_at, lambda j: remaining[j.request_id]):
+            take = budget.take(remaining[job.request_id])   # an estimate until the job holds blocks
             if not take:
                 break
             if not job.src_blocks:
