@@ -15,6 +15,8 @@ on a CPU without native bfloat16 matmuls (AVX2: oneDNN refuses to pack them) use
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -88,9 +90,52 @@ class Linear:
         else:
             self._w = weight
 
+    @property
+    def has_gemv_copy(self) -> bool:
+        return self._plain is not None
+
+    def drop_gemv_copy(self) -> None:
+        """Multiply one-row inputs with the packed weight too, and free the plain copy."""
+        self._plain = None
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through oneDNN's packed weight, whatever the row count."""
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._w, None, "none", [], "")
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through the plain copy (``F.linear``); needs `has_gemv_copy`."""
+        return F.linear(x, self._plain)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "onednn":
             if self._plain is not None and x.shape[0] == 1:
                 return F.linear(x, self._plain)
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._w, None, "none", [], "")
         return F.linear(x, self._w)
+
+
+def gemv_copy_pays(linears: list[Linear], reps: int = 5) -> bool:
+    """Whether one-row inputs run faster through the plain copies (MKL's sgemv via ``F.linear``)
+    than through oneDNN's packed weights, timed on this CPU over ``linears`` together (median of
+    ``reps`` runs each way, after one warm-up).
+
+    Measured, not assumed: the plain copy won by 1.2-1.4x on one core of earlier AVX2 and
+    AVX-512 machines; on this project's AMD EPYC (AVX512-BF16) a batch-1 float32 decode step was
+    ~15% slower with it (the 49152-row LM head: sgemv 11.1 ms, packed 8.0 ms).
+
+    Args:
+        linears: float32 `Linear` objects that hold a gemv copy.
+    """
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, lin.in_features, generator=gen) for lin in linears]
+
+    def timed(path: str) -> float:
+        runs = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for lin, x in zip(linears, xs):
+                getattr(lin, path)(x)
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs[1:])
+
+    return timed("gemv") < timed("packed")

@@ -7,6 +7,7 @@ gate/up projections (see `engine.weights`). Reference: Hugging Face ``modeling_l
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -15,11 +16,12 @@ import torch.nn.functional as F
 from engine.attention import ForwardBatch, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
-from engine.linear import Linear, bf16_matmul_fast, resolve_backend
-from engine.quant import HeadLinear, Int4Linear, Int4Weight
+from engine.linear import Linear, gemv_copy_pays, resolve_backend
+from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
 from engine.weights import LlamaWeights
 
 LayerCallback = Callable[[int], None]
+log = logging.getLogger(__name__)
 
 
 class LlamaModel:
@@ -29,29 +31,37 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
-                 max_int4_rows: int = 4, max_int8_head_rows: int = 4, kv_dtype: torch.dtype | None = None,
+                 max_int4_rows: int | None = None, max_int8_head_rows: int | None = 4,
+                 kv_dtype: torch.dtype | None = None,
                  gemv_copies: bool = True):
         """Args:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
-                many tokens per forward pass, their dequantized bfloat16 copy above it.
+                many tokens per forward pass, their dequantized copy above it. None: measured on
+                this CPU at load (`engine.quant.measure_max_low_bit_rows`).
             max_int8_head_rows: with 4-bit projections, the LM head runs int8 for at most this
-                many logits rows, a dense copy above it (`engine.quant.HeadLinear`).
+                many logits rows, a dense copy above it (`engine.quant.HeadLinear`). None:
+                measured at load, as ``max_int4_rows``; not the default, since both paths
+                round the logits to bfloat16, differently, and a greedy answer whose two best
+                tokens are that close must not depend on a timing (on this project's AMD EPYC
+                the two paths tie at one row: 4.4 vs 4.5 ms).
             gemv_copies: float32 projections keep their plain weights beside oneDNN's packed ones
-                for one-row inputs (`engine.linear.Linear`; more memory, faster batch-1 decode).
+                for one-row inputs (`engine.linear.Linear`; more memory), if timing at load finds
+                them faster on this CPU (`engine.linear.gemv_copy_pays`; `self.gemv_copies`).
             kv_dtype: dtype of the KV pool (default: the weights'; `engine.config.KV_CACHE_DTYPES`).
-                K/V are stored in it; attention runs in it too where the CPU computes bfloat16
-                natively (`engine.linear.bf16_matmul_fast`), else in the activations' dtype on
-                the stored K/V cast up (torch's bfloat16 attention is ~3x slower than float32
-                without AVX512-BF16), its output cast back either way.
+                K/V are stored in it; on CUDA attention runs in it too, on the CPU in float32
+                on the gathered K/V cast up (bf16 mode: q cast up, the output back down), more
+                accurate and faster: torch's CPU flash attention is
+                3-4x slower in bfloat16 than in float32 (cast included), with AVX512-BF16 (AMD
+                EPYC, one decode step of 1 / 8 / 32 sequences: 0.18 / 1.28 / 6.2 ms against
+                0.06 / 0.29 / 1.55 ms per layer) and without it alike.
         Raises:
             ValueError: unknown or unusable linear backend; 4-bit projections on a non-CPU device.
         """
         self.config = config
         self.dtype = weights.embed.dtype
         self.kv_dtype = kv_dtype or self.dtype
-        self.attn_dtype = (self.kv_dtype if self.kv_dtype == self.dtype or self.device_native_bf16(weights)
-                           else self.dtype)
+        self.attn_dtype = self.kv_dtype if weights.embed.device.type != "cpu" else torch.float32
         self._embed = weights.embed
         self._final_norm = weights.final_norm
         self._norms = [(layer.attn_norm, layer.ffn_norm) for layer in weights.layers]
@@ -61,9 +71,12 @@ class LlamaModel:
                              for p in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         if self.quantized and weights.embed.device.type != "cpu":
             raise ValueError("4-bit (native) weights run on the CPU only")
-        self._layers = [_LayerLinears(layer, backend, max_int4_rows, gemv_copies) for layer in weights.layers]
-        self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows, backend) if self.quantized
+        self._layers = [_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies) for layer in weights.layers]
+        self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, backend) if self.quantized
                          else Linear(weights.lm_head, backend, gemv_copies))
+        if self.quantized:
+            self._choose_low_bit_rows(max_int4_rows, max_int8_head_rows)
+        self.gemv_copies = self._keep_gemv_copies_if_faster()
         self.device = weights.embed.device
         self._cos, self._sin = (t.to(self.device) for t in _rope_tables(config, self.dtype))
         c = config
@@ -93,13 +106,13 @@ class LlamaModel:
         sin = self._sin.index_select(0, batch.positions)[:, None, :]
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
+        qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads
         for i, ((attn_norm, ffn_norm), lin) in enumerate(zip(self._norms, self._layers)):
             x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = lin.wqkv(x)
-            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.view(t, c.num_kv_heads, c.head_dim)
+            qk = _rotate(qkv[:, :qk_size].view(t, heads, c.head_dim), cos, sin)   # Q and K heads at once
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
             if kv_cast:   # attention on the K/V as stored (paged_attention casts them to q's dtype)
                 k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
             if q_cast:
@@ -121,10 +134,40 @@ class LlamaModel:
         return self._lm_head(h).float()
 
 
-    @staticmethod
-    def device_native_bf16(weights) -> bool:
-        """True for a CUDA model, or a CPU whose oneDNN multiplies bfloat16 natively."""
-        return weights.embed.device.type != "cpu" or bf16_matmul_fast()
+    def _keep_gemv_copies_if_faster(self) -> bool:
+        """Time one-row inputs through the gemv copies and the packed weights (layer 0's
+        projections and the head, `engine.linear.gemv_copy_pays`); drop every copy if they do
+        not pay. Returns whether copies are kept."""
+        probe = [p for p in (*vars(self._layers[0]).values(), self._lm_head)
+                 if isinstance(p, Linear) and p.has_gemv_copy]
+        if not probe:
+            return False
+        if gemv_copy_pays(probe):
+            log.info("one-row float32 projections: MKL sgemv on plain copies (measured faster)")
+            return True
+        for p in (*(q for lin in self._layers for q in vars(lin).values()), self._lm_head):
+            if isinstance(p, Linear):
+                p.drop_gemv_copy()
+        log.info("one-row float32 projections: oneDNN packed (measured faster than sgemv copies)")
+        return False
+
+    def _choose_low_bit_rows(self, int4_rows: int | None, head_rows: int | None) -> None:
+        """Set the row thresholds of the int4 projections and the int8 head, measuring those
+        left None on layer 0's projections and on the head (`measure_max_low_bit_rows`)."""
+        int4 = [p for p in vars(self._layers[0]).values() if isinstance(p, Int4Linear)]
+        how = "measured" if int4_rows is None or head_rows is None else "given"
+        if int4_rows is None:
+            int4_rows = measure_max_low_bit_rows(int4) if int4 else 0
+        if head_rows is None:
+            head_rows = measure_max_low_bit_rows([self._lm_head], candidates=(1, 2, 4), reps=3)
+        for lin in self._layers:
+            for p in vars(lin).values():
+                if isinstance(p, Int4Linear):
+                    p.set_max_rows(int4_rows)
+        self._lm_head.set_max_rows(head_rows)
+        self.max_int4_rows, self.max_int8_head_rows = int4_rows, head_rows
+        log.info("native weights: int4 kernel up to %d rows, int8 head up to %d rows (%s)",
+                 int4_rows, head_rows, how)
 
 
 class _LayerLinears:
@@ -152,13 +195,20 @@ def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor, eps
 
 
 def _rope_tables(c: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, signed_sin)``, each ``[max_position, head_dim]`` in ``dtype``: Hugging Face's
+    ``cos`` and ``sin`` tables, the first half of ``sin`` negated (see `_rotate`)."""
     inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
     freqs = torch.outer(torch.arange(c.max_position, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    half = c.head_dim // 2
+    sin = emb.sin()
+    sin[:, :half].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, "rotate half" convention: Hugging Face's
+    ``x * cos + cat(-x2, x1) * sin`` computed as ``x * cos + cat(x2, x1) * signed_sin`` (one
+    ``roll`` instead of two slices, a negation and a cat; bit-identical, since negating a factor
+    of a product is exact). ``x``: ``[tokens, heads, head_dim]``; tables ``[tokens, 1, head_dim]``."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

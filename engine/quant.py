@@ -25,6 +25,8 @@ answers change (see `engine.config.WEIGHT_MODES`).
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,13 +198,22 @@ class Int4Linear:
         self._dense_dtype = dense_dtype()
         self._dense = Linear(weight.dequantize().to(self._dense_dtype), dense_backend)
 
+    def set_max_rows(self, rows: int) -> None:
+        """Use the int4 kernel up to ``rows`` rows from now on."""
+        self.max_int4_rows = rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_int4_rows:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._packed,
-                                                           GROUP_SIZE, self._scale_zero)
-        else:
-            y = self._dense(x.to(self._dense_dtype).contiguous())
+        y = self.low_bit(x) if x.shape[0] <= self.max_int4_rows else self.dense(x)
         return y.to(x.dtype)
+
+    def low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through the int4 kernel, in bfloat16."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._packed,
+                                                          GROUP_SIZE, self._scale_zero)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through the dense copy, in `dense_dtype`."""
+        return self._dense(x.to(self._dense_dtype).contiguous())
 
 
 class HeadLinear:
@@ -234,18 +245,70 @@ class HeadLinear:
         # still maps inside [-127, 127], and quantize with the rounded scale
         scale = (w.abs().amax(dim=1) / 127.0 * (1 + 2**-8)).clamp_min(1e-30).bfloat16()
         self._scale = scale
-        self._int8 = (torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-                      if max_int8_rows else None)
+        self._int8 = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         self._dtype = dense_dtype()
         self._dense = Linear(weight.to(self._dtype), backend)
 
+    def set_max_rows(self, rows: int) -> None:
+        """Use the int8 kernel up to ``rows`` rows from now on; 0 also frees its codes."""
+        self.max_int8_rows = rows
+        if rows == 0:
+            self._int8 = None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_int8_rows:
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self._int8, self._scale)
-        else:
-            y = self._dense(x.to(self._dtype).contiguous())
+        y = self.low_bit(x) if x.shape[0] <= self.max_int8_rows else self.dense(x)
         return y.to(x.dtype)
+
+    def low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through the int8 kernel, in bfloat16."""
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self._int8, self._scale)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through the dense copy, in `dense_dtype`."""
+        return self._dense(x.to(self._dtype).contiguous())
 
     def dequantized_int8(self) -> torch.Tensor:
         """``[out_features, in_features]`` float32: the weights the int8 path multiplies by."""
         return self._int8.float() * self._scale.float()[:, None]
+
+
+ROW_CANDIDATES = (1, 2, 4, 8)
+
+
+def measure_max_low_bit_rows(linears: list, candidates: tuple[int, ...] = ROW_CANDIDATES, reps: int = 5) -> int:
+    """The most input rows for which the low-bit kernel beats the dense copy, timed on this CPU.
+
+    Whether int4/int8 weight-only kernels (matrix-vector products, reading fewer bytes) beat a
+    blocked bfloat16/float32 matmul, and up to how many rows, depends on the CPU: on an AVX-512
+    machine with AVX512-BF16 (AMD EPYC, this project's) torch's int4 kernel won only at one row
+    (214 vs 236 us for one layer's projections) and lost 1.7x at 8; on an earlier AVX-512 machine
+    without it, it won up to 4. So the threshold is measured at load: for each candidate row count
+    in ascending order, the median of ``reps`` runs of every linear through ``low_bit`` and
+    through ``dense``; the answer is the last count before the first one where ``low_bit`` is not
+    faster (0: never). Cost: a few tens of milliseconds.
+
+    Args:
+        linears: `Int4Linear` or `HeadLinear` objects (anything with ``in_features``,
+            ``low_bit(x)`` and ``dense(x)``), timed together.
+        candidates: ascending row counts to try.
+    Returns:
+        A row count from ``candidates``, or 0.
+    """
+    best = 0
+    gen = torch.Generator().manual_seed(0)
+    for m in candidates:
+        xs = [torch.randn(m, lin.in_features, generator=gen) for lin in linears]
+
+        def timed(path: str) -> float:
+            runs = []
+            for _ in range(reps + 1):   # the first run warms up
+                t0 = time.perf_counter()
+                for lin, x in zip(linears, xs):
+                    getattr(lin, path)(x)
+                runs.append(time.perf_counter() - t0)
+            return statistics.median(runs[1:])
+
+        if timed("low_bit") >= timed("dense"):
+            break
+        best = m
+    return best
