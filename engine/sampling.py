@@ -15,6 +15,7 @@ worker (token 0), the decode worker (tokens 1..) and a retried attempt resuming 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -303,13 +304,28 @@ def _sample_row(logits: torch.Tensor, row: SampleRow) -> int | SamplingError:
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = scores.softmax(-1)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+    cdf = probs.cumsum(-1)
+    total = float(cdf[-1])   # NaN or inf when any probability is (softmax's outputs are >= 0)
+    if not math.isfinite(total) or total <= 0.0:
         return SamplingError(f"temperature {p.temperature} gives no valid distribution")
     gen = row.generator
     if p.seed is not None:
         gen = gen if gen is not None else torch.Generator()
         gen.manual_seed(draw_seed(p.stream_seed, p.num_resumed + len(row.output_token_ids)))
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return draw(cdf, torch.rand(1, generator=gen) * total)
+
+
+def draw(cdf: torch.Tensor, u: torch.Tensor) -> int:
+    """Inverse transform sampling: the first index whose cumulative probability exceeds ``u``.
+
+    Args:
+        cdf: ``[vocab]`` float32, the running sum of the probabilities (non-decreasing).
+        u: ``[1]`` float32, uniform in ``[0, cdf[-1])``.
+    A token of probability 0 is never picked (its ``cdf`` entry equals the one before, so no
+    ``u`` falls in its interval). The same draw as ``torch.multinomial(probs, 1)`` computes
+    internally, at ~60 us instead of ~1 ms for a 49152-token vocabulary on one core (measured
+    on this project's AMD EPYC: the multinomial draw was 1 ms of a sequence's per-step cost)."""
+    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
 
 
 def compute_logprobs(logits: torch.Tensor, rows: Sequence[SampleRow],

@@ -88,6 +88,29 @@ def test_temperature_sampling_follows_the_distribution():
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
 
+def test_inverse_cdf_draw_over_a_full_vocabulary_never_picks_masked_tokens():
+    """`draw` (inverse transform sampling) on a 49152-token vocabulary where only every 7th
+    token may be picked: no masked token ever comes out, even for u at the interval edges, and
+    the frequencies follow the distribution."""
+    from engine.sampling import draw
+
+    vocab = 49152
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.full((vocab,), float("-inf"))
+    allowed = torch.arange(0, vocab, 7)
+    logits[allowed] = torch.randn(allowed.numel(), generator=gen) * 2
+    probs = logits.softmax(-1)
+    cdf = probs.cumsum(-1)
+    total = float(cdf[-1])
+    edges = [0.0, float(cdf[allowed[5]]), float(cdf[allowed[5] + 1]), total * (1 - 2**-24)]
+    picks = [draw(cdf, torch.tensor([u])) for u in edges]
+    picks += [draw(cdf, torch.rand(1, generator=gen) * total) for _ in range(20000)]
+    assert all(t % 7 == 0 for t in picks), [t for t in picks if t % 7][:5]
+    top = int(probs.argmax())
+    freq = sum(t == top for t in picks) / len(picks)
+    assert abs(freq - float(probs[top])) < 0.02, (freq, float(probs[top]))
+
+
 def test_a_row_with_nan_or_inf_fails_alone_and_masked_tokens_are_fine():
     logits = torch.randn(5, 50)
     logits[1, 7] = float("nan")
