@@ -4,6 +4,8 @@ dense fallback both compute ``x @ W.T`` within bfloat16 tolerance."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,46 @@ def test_q4_k_blocks_decode_to_the_reference_values():
     y = Int4Linear(w, max_int4_rows=8, dense_backend="torch")(x)     # through the int4 kernel
     want = x.bfloat16().float() @ torch.from_numpy(ref).T
     assert float((y - want).norm() / want.norm()) < 1e-2   # bfloat16 scales, zeros and inputs
+
+
+class _TimedPaths:
+    """A stand-in linear whose two paths cost a known time per call (a fake: the real kernels'
+    speeds cannot be set, and the rule under test is only which row counts it keeps)."""
+
+    in_features = 8
+
+    def __init__(self, low_bit_s_per_row: float, dense_s: float):
+        self.low_bit_s_per_row, self.dense_s = low_bit_s_per_row, dense_s
+
+    def low_bit(self, x):
+        time.sleep(self.low_bit_s_per_row * x.shape[0])
+
+    def dense(self, x):
+        time.sleep(self.dense_s)
+
+
+def test_low_bit_rows_are_those_before_the_first_row_count_where_it_loses():
+    from engine.quant import measure_max_low_bit_rows
+
+    # the low-bit path costs 1 ms per row, the dense copy 3 ms whatever the rows: wins at 1 and 2
+    assert measure_max_low_bit_rows([_TimedPaths(1e-3, 3e-3)], reps=3) == 2
+    assert measure_max_low_bit_rows([_TimedPaths(4e-3, 3e-3)], reps=3) == 0    # never
+    assert measure_max_low_bit_rows([_TimedPaths(1e-4, 3e-3)], reps=3) == 8    # every candidate
+
+
+def test_measured_thresholds_apply_to_every_projection():
+    """The real kernels, timed on this CPU: whatever row count is chosen, every 4-bit projection
+    of the model uses it, and inputs up to it take the int4 kernel (the packed codes' bfloat16
+    result), above it the dense copy."""
+    from engine.loader import load_model
+
+    m = load_model(weights="native")
+    rows = m.model.max_int4_rows
+    assert rows in (0, 1, 2, 4, 8) and m.model._lm_head.max_int8_rows == 4
+    assert {p.max_int4_rows for lin in m.model._layers for p in vars(lin).values()
+            if isinstance(p, Int4Linear)} == {rows}
+    wo = m.model._layers[0].wo
+    for n in {max(rows, 1), rows + 1}:
+        x = torch.randn(n, wo.in_features)
+        want = wo.low_bit(x) if n <= rows else wo.dense(x)
+        assert torch.equal(wo(x), want.to(x.dtype))
