@@ -50,6 +50,7 @@ from engine.generator import Generator, StepOutput, validate_request
 from engine.grammar import Grammars, matcher_for
 from engine.kv_cache import block_hashes, blocks_needed
 from engine.sampling import SamplingParams
+from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason
 from kvtransfer import KVTransferError, PeerLostError, SlotState, TransferError, TransferTimeout
 from worker.errors import DrainingError, UnknownRequestError
@@ -81,7 +82,9 @@ class DecodeWorker:
         self.gen = Generator(res.loaded.model, res.pool, None,
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens,
-                                             prefix_caching=c.prefix_caching),
+                                             prefix_caching=c.prefix_caching,
+                                             prefill_batch_tokens=(c.prefill_batch_tokens or default_batch_tokens(
+                                                 c.device, c.max_num_batched_tokens))),
                              grammars=Grammars(tok, tok.stop_token_ids) if tok is not None else None)
         self._model = res.loaded.config
         self._lock = StepGate()   # the generator: the loop holds it per step, RPCs get in between

@@ -105,6 +105,9 @@ class CacheConfig:
         return DTYPES[self.dtype]
 
 
+PREFILL_ORDERS = ("hrrn", "fifo")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits of the generator.
@@ -119,12 +122,22 @@ class SchedulerConfig:
             stalling decode until every prompt is computed.
         prefix_caching: reuse the K/V of full blocks an earlier sequence computed for the same
             leading tokens (`engine.kv_cache`, "Prefix caching"); only the rest is computed.
+        prefill_order: ``"hrrn"``: queued prompts by highest response ratio (a burst shortest
+            first, none starved; `engine.scheduling`); ``"fifo"``: arrival order (vLLM's).
+            Prompts already started (chunked, preempted, or prefilled elsewhere and waiting for
+            a batch slot) go first either way, in queue order.
+        prefill_batch_tokens: a pass's prompts after the first join only whole and only while
+            the prompt tokens of the pass stay within this (the throughput knee,
+            `engine.scheduling.PassBudget`); None: up to the step's budget (one pass takes as
+            many prompts as fit).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_while_decoding: int = 512
     prefix_caching: bool = False
+    prefill_order: str = "hrrn"
+    prefill_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -135,6 +148,10 @@ class SchedulerConfig:
         if self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1, "
                              f"got {self.max_prefill_tokens_while_decoding}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
+        if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 1:
+            raise ValueError(f"prefill_batch_tokens must be >= 1 or None, got {self.prefill_batch_tokens}")
 
 
 def compatibility_hash(model: ModelConfig, cache: CacheConfig, weights: str = "fp32") -> str:

@@ -6,7 +6,10 @@ if sequences wait and blocks allow, prompt tokens: up to ``max_num_batched_token
 decodes, else up to ``max_prefill_tokens_while_decoding`` (several prompts at once; a long prompt
 is split into chunks over several steps). A sequence whose whole prompt is computed samples its
 first token and joins the running batch. Decoding never waits for a burst of prompts: each step
-costs it at most one bounded chunk.
+costs it at most one bounded chunk. Which prompts, and how many per pass, follow the prefill
+worker's rules (`engine.scheduling`): highest response ratio first (a burst shortest first), and
+after a pass's first prompt others join only whole and only within ``prefill_batch_tokens``
+(the throughput knee; the workers pass 128 on the CPU).
 Sequences join and leave the running batch between steps. A finished or aborted sequence frees its
 blocks at once. When the pool runs out during decode, the most recently admitted sequence is
 preempted (blocks freed, recomputed later from prompt + generated tokens).
@@ -17,6 +20,7 @@ one thread drives it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
@@ -32,6 +36,7 @@ from engine.kv_cache import KVPool, block_hashes, blocks_needed
 from engine.model import LlamaModel
 from engine.sampling import (SamplingError, SamplingParams, TokenLogprobs, child_params, compute_logprobs,
                              prompt_logprobs_of, sample)
+from engine.scheduling import PassBudget, RateMeter, by_response_ratio
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
 
@@ -122,6 +127,7 @@ class Generator:
         self.config = scheduler
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefill_rate = RateMeter()   # prompt tokens/s of passes with prompts (HRRN's service time)
         self._by_id: dict[RequestId, Sequence] = {}
         self._families: dict[RequestId, list[Sequence]] = {}   # request -> its sequences (n > 1)
         self._stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer else frozenset()
@@ -258,18 +264,44 @@ class Generator:
         budget = self.config.max_num_batched_tokens - len(decode)
         if decode:
             budget = min(budget, self.config.max_prefill_tokens_while_decoding)
-        chunks = decode + self._schedule_prefill(budget)
-        return self._run(chunks) if chunks else []
+        prompts = self._schedule_prefill(budget)
+        if not decode and not prompts:
+            return []
+        t0 = time.perf_counter()
+        outputs = self._run(decode + prompts)
+        if prompts:   # the pass's time, decode rows included: what a prompt waits for per pass
+            self.prefill_rate.add(sum(len(c.token_ids) for _, c in prompts), time.perf_counter() - t0)
+        return outputs
+
+    def _prefill_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they may take prompt tokens (`SchedulerConfig.
+        prefill_order`): those already started first, in queue order, then the fresh ones."""
+        started = [s for s in self.waiting if s.num_computed or s.output_token_ids or s.block_table]
+        fresh = [s for s in self.waiting if not (s.num_computed or s.output_token_ids or s.block_table)]
+        if self.config.prefill_order == "hrrn" and len(fresh) > 1:
+            fresh = by_response_ratio(fresh, time.monotonic(), self.prefill_rate.tokens_per_s,
+                                      queued_at=lambda s: s.queued_at, remaining=lambda s: s.num_tokens)
+        return started + fresh
 
     def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, SeqChunk]]:
         scheduled: list[tuple[Sequence, SeqChunk]] = []
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(scheduled) >= self.config.max_num_seqs:
+        if budget <= 0 or not self.waiting:
+            return scheduled
+        knee = self.config.prefill_batch_tokens
+        pass_budget = PassBudget(budget, knee) if knee else None
+        for seq in self._prefill_order():
+            if len(self.running) + len(scheduled) >= self.config.max_num_seqs:
                 break
             tokens = seq.all_token_ids
             if self.config.prefix_caching and seq.num_computed == 0 and not seq.block_table:
                 self._reuse_prefix(seq, tokens)
-            take = min(len(tokens) - seq.num_computed, budget)
+            if pass_budget is None:   # fill the step's budget, the last prompt chunked
+                take = min(len(tokens) - seq.num_computed, budget)
+                budget -= take
+            else:
+                take = pass_budget.take(len(tokens) - seq.num_computed)
+            if take == 0:
+                break   # the pass is full: nobody behind overtakes this one
             end = seq.num_computed + take
             if not self._grow(seq, end + (1 if end == len(tokens) else 0)):
                 break
@@ -279,8 +311,7 @@ class Generator:
                 seq.prompt_logprobs = []
             scheduled.append((seq, SeqChunk(tokens[seq.num_computed:end], seq.num_computed,
                                             seq.block_table, need_logits=done, prompt_logits=want_prompt)))
-            budget -= take
-            if not done:
+            if not done or budget <= 0 or (pass_budget is not None and pass_budget.full):
                 break  # a chunked prompt takes the rest of this step's budget
         return scheduled
 

@@ -8,6 +8,7 @@ is recomputed from prompt + generated tokens. FINISHED is absorbing.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ class Sequence:
     num_registered: int = 0               # leading blocks registered in the prefix cache
     parent: RequestId | None = None       # the request (n > 1: one of its choices); None: itself
     index: int = 0                        # choice index within the request
+    queued_at: float = field(default_factory=time.monotonic)   # seconds (monotonic), for HRRN
 
     @property
     def request(self) -> RequestId:

@@ -5,8 +5,8 @@
 Two tables, real forward passes of the default model on this machine, one run:
 
 1. **Pass size**: one prompt of 16 .. 1024 tokens per pass, tokens/s (median of repetitions).
-   Where tokens/s stops rising is the knee `prefill.scheduler` batches up to
-   (``--prefill-batch-tokens``; `prefill.scheduler.CPU_BATCH_TOKENS` on the CPU).
+   Where tokens/s stops rising is the knee `engine.scheduling` batches up to
+   (``--prefill-batch-tokens``; `engine.scheduling.CPU_BATCH_TOKENS` on the CPU).
 2. **A burst**: prompts that queue together (new tokens after a cached prefix, the shape of
    multi-turn chat with prefix caching), each policy's passes run for real, every prompt's TTFT
    = the end of the pass holding its last chunk: ``fifo-one-pass`` (arrival order, everything
@@ -28,7 +28,7 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool, blocks_needed
 from engine.loader import load_model
-from prefill.scheduler import PassBudget, by_response_ratio, default_batch_tokens
+from engine.scheduling import PassBudget, by_response_ratio, default_batch_tokens
 
 BS = 16
 

@@ -54,7 +54,7 @@ from kvtransfer import (KVLayout, KVTransferError, TransferError, count_writes, 
                         plan_writes, to_write_ops)
 from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
 from prefill.job import DecodePeer, JobState, PrefillJob
-from prefill.scheduler import PassBudget, RateMeter, by_response_ratio, default_batch_tokens
+from engine.scheduling import PassBudget, RateMeter, by_response_ratio, default_batch_tokens
 from prefill.warmup import Preempted, WarmupQueue
 from worker.errors import CacheDisabledError, DrainingError, PrefillAborted, PrefillError, PrefillTimeout
 from worker.liveness import LoopWatch
@@ -298,7 +298,7 @@ class PrefillWorker:
 
     def _schedule(self) -> list[tuple[PrefillJob, SeqChunk]]:
         """The next pass: queued prompts by response ratio up to the pass budget
-        (`prefill.scheduler`), else a warm-up chunk."""
+        (`engine.scheduling`), else a warm-up chunk."""
         for job in [j for j in self._queue if j.stopped]:   # aborted or failed between passes:
             self._queue.remove(job)                         # retire it, compute no more
             self._sending.put(job)

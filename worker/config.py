@@ -39,9 +39,10 @@ class WorkerConfig:
             requests whose KV arrived beyond it wait, their blocks held, for a place.
         max_num_batched_tokens: prefill: most prompt tokens per forward pass (longer prompts are
             chunked).
-        prefill_batch_tokens: prefill: other prompts join a pass only while it holds fewer tokens
-            than this, the device's throughput knee (`prefill.scheduler`); 0: 128 on the CPU,
-            ``max_num_batched_tokens`` on CUDA.
+        prefill_batch_tokens: prompts after a pass's first join it only while its prompt
+            tokens stay within this, the device's throughput knee (`engine.scheduling`): the
+            prefill worker's passes, and the decode worker's in colocated and auto modes; 0:
+            128 on the CPU, ``max_num_batched_tokens`` on CUDA.
         prefix_caching: keep a prefix cache of full KV blocks (engine.kv_cache): the prefill worker
             computes only what follows a prompt's cached prefix; the decode worker holds the
             cached blocks of a prompt at Reserve so they are not sent again (delta transfer)

@@ -227,6 +227,50 @@ def test_decoding_goes_on_while_a_long_prompt_prefills_in_chunks(smollm):
     assert tokens == {name: alone(ids) for name, ids in prompts.items()}
 
 
+def test_a_burst_of_prompts_runs_shortest_first_within_the_knee(smollm):
+    """Colocated and auto modes' scheduler (`engine.scheduling` in the generator): prompts queued
+    together behind a running sequence take passes highest response ratio first (a burst:
+    shortest first), and a pass's later prompts join only whole within ``prefill_batch_tokens``.
+    So the short ones get their first token passes before the long one, which FIFO with one big
+    pass (the old rule) would not allow; every output equals the request's output alone and the
+    pool is full again afterwards."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def fresh(**kw):
+        pool = KVPool(smollm.config, CacheConfig(block_size=16, num_blocks=160))
+        return Generator(smollm.model, pool, smollm.tokenizer, SchedulerConfig(max_num_batched_tokens=512, **kw))
+
+    prompts = {"long": _chat(smollm, "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 20),
+               "mid": _chat(smollm, "Describe: " + "a red apple on a wooden table. " * 10),
+               "short": _chat(smollm, "Name a color.")}
+    # service times far apart (HRRN: a few ms more waiting must not outweigh them)
+    assert len(prompts["long"]) > 200 > len(prompts["mid"]) > 2 * len(prompts["short"]) > 64
+
+    def first_token_pass(**kw):
+        g = fresh(**kw)
+        g.add_request("running", prompts["short"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        g.step()
+        for name in ("long", "mid", "short"):   # arrival order: longest first
+            g.add_request(name, prompts[name], greedy)
+        first, tokens, step = {}, {name: [] for name in prompts}, 0
+        while g.has_unfinished():
+            step += 1
+            for o in g.step():
+                if o.request_id in tokens:
+                    tokens[o.request_id] += o.new_token_ids
+                    first.setdefault(o.request_id, step)
+        assert g.num_free_blocks == 160
+        return first, tokens
+
+    hrrn, hrrn_tokens = first_token_pass(prefill_batch_tokens=64)
+    fifo, fifo_tokens = first_token_pass(prefill_order="fifo")
+    assert hrrn["short"] < hrrn["mid"] < hrrn["long"], hrrn
+    assert fifo["short"] == fifo["mid"] == fifo["long"], fifo   # one pass: all wait for the longest
+    for name, ids in prompts.items():
+        g = fresh()
+        assert g.generate([ids], greedy)[0].token_ids == hrrn_tokens[name] == fifo_tokens[name], name
+
+
 def test_prefix_caching_reuses_blocks_and_keeps_greedy_output(smollm):
     """With prefix caching, a repeated prompt and a second turn (first turn + its answer + a new
     question) compute only what is not cached, and greedy tokens equal those without caching;

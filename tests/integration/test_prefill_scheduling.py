@@ -33,7 +33,7 @@ def _prompt(smollm, text: str, n: int) -> list[int]:
 
 def test_a_burst_finishes_shortest_first_and_each_output_is_the_engines(pair, smollm):
     prefill, decode = pair
-    assert prefill._batch_tokens == 128   # the CPU default (prefill.scheduler)
+    assert prefill._batch_tokens == 128   # the CPU default (engine.scheduling)
     blocker = _prompt(smollm, "The river bends past the mill. ", 400)   # keeps the loop busy
     long_ = _prompt(smollm, "A long account of the harvest season. ", 520)
     shorts = [_prompt(smollm, f"Short note number {i}. ", 30 + 5 * i) for i in range(3)]

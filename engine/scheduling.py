@@ -1,4 +1,4 @@
-"""Which queued prompts the prefill worker computes next, and how many share one forward pass.
+"""Which queued prompts are computed next, and how many share one forward pass.
 
 A prefill's whole output is its first token, so a prompt's TTFT ends with the pass that computes
 its last chunk, and every prompt of a pass finishes when the pass does. Two rules follow:
@@ -23,7 +23,9 @@ its last chunk, and every prompt of a pass finishes when the pass does. Two rule
    token budgets of 512-2048), so the default there is ``max_num_batched_tokens``: one pass as
    before.
 
-`PassBudget` and `by_response_ratio` are pure; `prefill.worker.PrefillWorker._schedule` applies them.
+`PassBudget` and `by_response_ratio` are pure; `prefill.worker.PrefillWorker._schedule` applies
+them, and so does `engine.generator.Generator` to the prompts of colocated and auto modes, where a
+pass also carries the running sequences' decode rows.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The prefill scheduler's two rules (`prefill.scheduler`): highest response ratio next, and a
+"""The prefill scheduler's two rules (`engine.scheduling`): highest response ratio next, and a
 pass that stops taking prompts at the throughput knee."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefill.scheduler import CPU_BATCH_TOKENS, PassBudget, RateMeter, by_response_ratio, default_batch_tokens
+from engine.scheduling import CPU_BATCH_TOKENS, PassBudget, RateMeter, by_response_ratio, default_batch_tokens
 
 
 def _order(jobs, now, rate=500.0):
