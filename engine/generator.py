@@ -276,8 +276,9 @@ class Generator:
     def _prefill_order(self) -> list[Sequence]:
         """The waiting sequences in the order they may take prompt tokens (`SchedulerConfig.
         prefill_order`): those already started first, in queue order, then the fresh ones."""
-        started = [s for s in self.waiting if s.num_computed or s.output_token_ids or s.block_table]
-        fresh = [s for s in self.waiting if not (s.num_computed or s.output_token_ids or s.block_table)]
+        started, fresh = [], []
+        for s in self.waiting:
+            (started if s.num_computed or s.output_token_ids or s.block_table else fresh).append(s)
         if self.config.prefill_order == "hrrn" and len(fresh) > 1:
             fresh = by_response_ratio(fresh, time.monotonic(), self.prefill_rate.tokens_per_s,
                                       queued_at=lambda s: s.queued_at, remaining=lambda s: s.num_tokens)

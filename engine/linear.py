@@ -128,14 +128,16 @@ def gemv_copy_pays(linears: list[Linear], reps: int = 5) -> bool:
     """
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(1, lin.in_features, generator=gen) for lin in linears]
+    return median_seconds(linears, xs, "gemv", reps) < median_seconds(linears, xs, "packed", reps)
 
-    def timed(path: str) -> float:
-        runs = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            for lin, x in zip(linears, xs):
-                getattr(lin, path)(x)
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs[1:])
 
-    return timed("gemv") < timed("packed")
+def median_seconds(linears: list, xs: list[torch.Tensor], path: str, reps: int) -> float:
+    """Seconds to run ``getattr(lin, path)(x)`` for every pair of ``linears`` and ``xs`` in turn:
+    the median of ``reps`` runs after one warm-up run (the kernel-choice timings at load)."""
+    runs = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for lin, x in zip(linears, xs):
+            getattr(lin, path)(x)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs[1:])

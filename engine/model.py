@@ -133,7 +133,6 @@ class LlamaModel:
                        self._final_norm, c.rms_norm_eps)
         return self._lm_head(h).float()
 
-
     def _keep_gemv_copies_if_faster(self) -> bool:
         """Time one-row inputs through the gemv copies and the packed weights (layer 0's
         projections and the head, `engine.linear.gemv_copy_pays`); drop every copy if they do

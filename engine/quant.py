@@ -25,14 +25,12 @@ answers change (see `engine.config.WEIGHT_MODES`).
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.linear import Linear, bf16_matmul_fast
+from engine.linear import Linear, bf16_matmul_fast, median_seconds
 
 log = logging.getLogger(__name__)
 
@@ -298,17 +296,7 @@ def measure_max_low_bit_rows(linears: list, candidates: tuple[int, ...] = ROW_CA
     gen = torch.Generator().manual_seed(0)
     for m in candidates:
         xs = [torch.randn(m, lin.in_features, generator=gen) for lin in linears]
-
-        def timed(path: str) -> float:
-            runs = []
-            for _ in range(reps + 1):   # the first run warms up
-                t0 = time.perf_counter()
-                for lin, x in zip(linears, xs):
-                    getattr(lin, path)(x)
-                runs.append(time.perf_counter() - t0)
-            return statistics.median(runs[1:])
-
-        if timed("low_bit") >= timed("dense"):
+        if median_seconds(linears, xs, "low_bit", reps) >= median_seconds(linears, xs, "dense", reps):
             break
         best = m
     return best
