@@ -17,6 +17,7 @@ sequences through the batched decode path and the others per sequence.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,6 +60,9 @@ class ForwardBatch:
         seq_ranges: ``(first_row, num_tokens, context_len, block_ids)`` per sequence.
         block_tables: ``[D, max_blocks]`` int64 (padded with block 0), the D one-token sequences.
         attn_mask: ``[D, 1, 1, max_blocks * block_size]`` bool, True = attend.
+        decode_lens: the D one-token sequences' contexts (tokens), the new token included.
+        decode_groups: the D one-token sequences split into runs of rows that decode attention
+            handles together (see `DecodeGroup`).
         decode_rows: mixed passes only: ``[D]`` int64, the rows of the one-token sequences
             (None when there are none, or when every sequence is one: then all rows, in order).
         sample_rows: ``[S]`` int64, the logits rows of the ``need_logits`` chunks, in chunk order;
@@ -74,6 +78,8 @@ class ForwardBatch:
     seq_ranges: list[tuple[int, int, int, torch.Tensor]]
     block_tables: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+    decode_lens: list[int] | None = None
+    decode_groups: list["DecodeGroup"] | None = None
     decode_rows: torch.Tensor | None = None
     sample_rows: torch.Tensor | None = None
     logits_spans: list[tuple[int, int]] | None = None
@@ -131,13 +137,19 @@ class ForwardBatch:
         return batch
 
     def to(self, device: torch.device) -> "ForwardBatch":
-        """A copy with every tensor on ``device`` (the model's)."""
+        """A copy with every tensor on ``device`` (the model's); off the CPU, the decode rows
+        form one `DecodeGroup` (grouping keeps K/V in a CPU core's cache)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.slot_mapping),
-                            move(self.logits_indices), self.is_decode,
-                            [(a, b, c, move(d)) for a, b, c, d in self.seq_ranges],
-                            move(self.block_tables), move(self.attn_mask), move(self.decode_rows),
-                            move(self.sample_rows), self.logits_spans)
+        groups = self.decode_groups
+        if groups is not None and torch.device(device).type != "cpu":
+            groups = DecodeGroup.plan(self.block_tables, self.decode_lens, None)
+        return dataclasses.replace(
+            self, input_ids=move(self.input_ids), positions=move(self.positions),
+            slot_mapping=move(self.slot_mapping), logits_indices=move(self.logits_indices),
+            seq_ranges=[(a, b, c, move(d)) for a, b, c, d in self.seq_ranges],
+            block_tables=move(self.block_tables), attn_mask=move(self.attn_mask),
+            decode_groups=None if groups is None else [g.to(device) for g in groups],
+            decode_rows=move(self.decode_rows), sample_rows=move(self.sample_rows))
 
     def _build_decode_tables(self, block_size: int, ranges) -> None:
         max_blocks = max(r[3].numel() for r in ranges)
@@ -149,6 +161,63 @@ class ForwardBatch:
         self.block_tables = tables
         span = torch.arange(max_blocks * block_size)
         self.attn_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+        self.decode_lens = lens.tolist()
+        self.decode_groups = DecodeGroup.plan(tables, self.decode_lens, DECODE_GROUP_TOKENS)
+
+
+DECODE_GROUP_TOKENS = 1024
+"""Context positions (summed over a group's rows, each counted at the group's longest context)
+that CPU decode attention gathers and attends at once. A group's float32 K/V then take
+``1024 * 2 * num_kv_heads * head_dim * 4`` bytes (1.5 MiB for SmolLM2-135M), about one core's
+L2: gathering a whole batch of 32 sequences of ~400 tokens at once instead wrote 20 MB per layer
+that the attention then read back from memory (see `_decode_attention` for the measurement)."""
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Rows ``lo .. hi - 1`` of a decode batch, attended together.
+
+    Attributes:
+        span: the longest context among them (tokens): the positions gathered per row.
+        blocks: ``[(hi - lo) * max_blocks]`` int64, their block tables, flattened.
+        bias: ``[hi - lo, 1, 1, span]`` float32, 0 where a position is attended and -inf past a
+            row's context; None when every row's context is ``span`` (nothing to mask).
+    """
+
+    lo: int
+    hi: int
+    span: int
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def plan(cls, tables: torch.Tensor, lens: list[int], budget_tokens: int | None) -> list["DecodeGroup"]:
+        """Split rows in order into groups of at most ``budget_tokens`` gathered positions
+        (rows x the group's longest context; a row longer than the budget is a group alone;
+        None: one group).
+
+        Args:
+            tables: ``[D, max_blocks]`` int64 block tables; lens: the D contexts (tokens).
+        """
+        groups, lo = [], 0
+        while lo < len(lens):
+            hi, span = lo + 1, lens[lo]
+            while hi < len(lens) and (budget_tokens is None
+                                      or (hi + 1 - lo) * max(span, lens[hi]) <= budget_tokens):
+                span = max(span, lens[hi])
+                hi += 1
+            rows = torch.tensor(lens[lo:hi])
+            bias = None
+            if int(rows.min()) != span:
+                past = (torch.arange(span)[None, :] >= rows[:, None]).view(hi - lo, 1, 1, span)
+                bias = torch.zeros(hi - lo, 1, 1, span).masked_fill_(past, float("-inf"))
+            groups.append(cls(lo, hi, span, tables[lo:hi].reshape(-1), bias))
+            lo = hi
+        return groups
+
+    def to(self, device: torch.device) -> "DecodeGroup":
+        bias = None if self.bias is None else self.bias.to(device, non_blocking=True)
+        return DecodeGroup(self.lo, self.hi, self.span, self.blocks.to(device, non_blocking=True), bias)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -195,11 +264,31 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: i
 
 
 def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int) -> torch.Tensor:
-    b, span = q.shape[0], batch.block_tables.shape[1] * block_size
-    flat = batch.block_tables.view(-1)   # index_select: ~20% faster than advanced indexing here
-    ks = k_pool.view(-1, block_size, *k_pool.shape[1:]).index_select(0, flat).view(b, span, *k_pool.shape[1:])
-    vs = v_pool.view(-1, block_size, *v_pool.shape[1:]).index_select(0, flat).view(b, span, *v_pool.shape[1:])
-    ks, vs = ks.to(q.dtype).transpose(1, 2), vs.to(q.dtype).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=batch.attn_mask,
-                                       enable_gqa=True)
-    return o.reshape(b, -1)
+    """One query per sequence, over its gathered K/V (``q``: ``[D, num_heads, head_dim]``;
+    returns ``[D, num_heads * head_dim]``).
+
+    The G = num_heads / num_kv_heads query heads sharing a KV head (grouped-query attention; Hugging
+    Face's ``repeat_kv`` maps query head ``h`` to KV head ``h // G``) attend as G query rows of
+    that KV head, so K/V are never expanded. Per `DecodeGroup` (on the CPU; one group on other
+    devices, `ForwardBatch.to`), the gathered K/V are cast to ``q``'s dtype and laid out
+    ``[rows, num_kv_heads, span, head_dim]`` in one copy each, read only up to the group's longest
+    context, and attended while they are still in cache. One core of this project's AMD EPYC,
+    32 sequences of ~400 tokens, one layer: 6.4 ms gathering and attending the whole batch at
+    once, 3.8-4.5 ms in groups of 2-8 rows; 32 of ~160 tokens: 2.1 against 1.8 ms.
+    """
+    b, heads, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    q = q.view(b, kv_heads, heads // kv_heads, dim)
+    outs = []
+    for g in batch.decode_groups:
+        n = g.hi - g.lo
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            per_block = pool.view(-1, block_size, kv_heads, dim).index_select(0, g.blocks)
+            out = torch.empty(n, kv_heads, g.span, dim, dtype=q.dtype, device=q.device)
+            return out.copy_(per_block.view(n, -1, kv_heads, dim)[:, :g.span].transpose(1, 2))
+
+        bias = g.bias if g.bias is None or g.bias.dtype == q.dtype else g.bias.to(q.dtype)
+        o = F.scaled_dot_product_attention(q[g.lo:g.hi], gather(k_pool), gather(v_pool), attn_mask=bias)
+        outs.append(o.reshape(n, -1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

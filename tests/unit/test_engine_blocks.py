@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import ForwardBatch, SeqChunk
+from engine.attention import DecodeGroup, ForwardBatch, SeqChunk
 from engine.config import CacheConfig, ModelConfig
 from engine.errors import CapacityError
 from engine.kv_cache import BlockAllocator, KVPool, blocks_needed
@@ -79,3 +79,59 @@ def test_forward_batch_slots_and_decode_mask():
 def test_forward_batch_rejects_short_block_table():
     with pytest.raises(ValueError):
         ForwardBatch.build([SeqChunk([1] * 9, 0, [0])], block_size=8)
+
+
+def test_decode_groups_cover_every_row_within_the_token_budget():
+    lens = [10, 3, 40, 40, 7, 90, 2]
+    tables = torch.arange(len(lens) * 12).view(len(lens), 12)
+    groups = DecodeGroup.plan(tables, lens, budget_tokens=80)
+    assert [(g.lo, g.hi) for g in groups] == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7)]
+    for g in groups:
+        assert g.span == max(lens[g.lo:g.hi])
+        assert (g.hi - g.lo) * g.span <= 80 or g.hi - g.lo == 1   # a 90-token row stands alone
+        assert g.blocks.tolist() == tables[g.lo:g.hi].reshape(-1).tolist()
+        if g.bias is None:
+            assert all(n == g.span for n in lens[g.lo:g.hi])
+        else:   # -inf exactly past each row's context
+            attended = (g.bias[:, 0, 0] == 0).sum(-1).tolist()
+            assert attended == lens[g.lo:g.hi]
+            assert torch.isinf(g.bias).sum().item() == sum(g.span - n for n in lens[g.lo:g.hi])
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_attention_equals_per_sequence_attention(pool_dtype, monkeypatch):
+    """Decode attention in groups (grouped-query rows, cast copies, per-group spans) returns what
+    plain SDPA returns for each sequence alone over exactly its context, with K/V expanded."""
+    import torch.nn.functional as F
+
+    import engine.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 100)   # several groups of uneven rows
+    gen = torch.Generator().manual_seed(3)
+    block, kv_heads, heads, dim = 8, 2, 6, 16
+    pool_k = torch.randn(64 * block, kv_heads, dim, generator=gen).to(pool_dtype)
+    pool_v = torch.randn(64 * block, kv_heads, dim, generator=gen).to(pool_dtype)
+    contexts = [17, 5, 33, 33, 60, 1, 24]   # tokens already in the pool, the new one included
+    tables = torch.randperm(64, generator=gen)[:len(contexts) * 8].view(len(contexts), 8).tolist()
+    chunks = [SeqChunk([1], n - 1, t[:-(-n // block)]) for n, t in zip(contexts, tables)]
+    batch = ForwardBatch.build(chunks, block)
+    assert len(batch.decode_groups) > 2
+    q = torch.randn(len(contexts), heads, dim, generator=gen)
+    out = attention.paged_attention(q, None, None, pool_k, pool_v, batch, block)
+    for i, (n, table) in enumerate(zip(contexts, tables)):
+        slots = [table[p // block] * block + p % block for p in range(n)]
+        k = pool_k[slots].float().transpose(0, 1)[None]
+        v = pool_v[slots].float().transpose(0, 1)[None]
+        ref = F.scaled_dot_product_attention(q[i][None, :, None], k, v, enable_gqa=True)
+        torch.testing.assert_close(out[i], ref.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rows_form_one_group_off_the_cpu():
+    batch = ForwardBatch.build([SeqChunk([1], n - 1, list(range(8 * i, 8 * i + 8))) for i, n in
+                                enumerate([50, 64, 20])], block_size=8)
+    assert len(DecodeGroup.plan(batch.block_tables, batch.decode_lens, 60)) == 3
+    (whole,) = DecodeGroup.plan(batch.block_tables, batch.decode_lens, None)
+    assert (whole.lo, whole.hi, whole.span) == (0, 3, 64)
+    assert (whole.bias[:, 0, 0] == 0).sum(-1).tolist() == [50, 64, 20]
+    moved = batch.to(torch.device("meta"))
+    assert len(moved.decode_groups) == 1 and moved.decode_groups[0].blocks.device.type == "meta"
