@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--serving-mode", default="disaggregated",
                    choices=["disaggregated", "colocated", "auto"],
                    help="colocated: decode workers run whole requests (no KV transfer); "
-                        "auto: prompts under --colocated-threshold-tokens colocated")
+                        "auto: prompts under --colocated-threshold-tokens colocated, and longer ones "
+                        "while the prefill workers are backed up (router's --auto-prefill-backlog-tokens)")
     u.add_argument("--colocated-threshold-tokens", type=int, default=0,
                    help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
     u.add_argument("--prefix-caching", action="store_true",

@@ -242,7 +242,7 @@ class Orchestrator:
     def _path(self, prompt: tuple[int, ...]) -> tuple[ServingPath, list[bytes] | None]:
         """The request's path and, when that needed them, its prompt's block hashes. ``auto``
         mode: the tokens to compute are the prompt's minus the longest prefix a decode worker
-        holds (`router.serving`)."""
+        holds, and whether the prefill workers are backed up counts too (`router.serving`)."""
         c = self.config
         pair = c.serving_mode == "auto" and bool(self._decode_candidates())
         to_compute, hashes = len(prompt), None
@@ -252,7 +252,16 @@ class Orchestrator:
                 bs = max(1, caching[0].block_size)
                 hashes = block_hashes(prompt, bs)
                 to_compute -= bs * max(self.membership.kv_index.overlap(d.worker_id, hashes) for d in caching)
-        return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair), hashes
+        return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair,
+                           pair and self._prefill_backlogged()), hashes
+
+    def _prefill_backlogged(self) -> bool:
+        """Every routable prefill worker has ``auto_prefill_backlog_tokens`` or more prompt tokens
+        of this router's in flight (False when that bound is 0)."""
+        bound = self.config.auto_prefill_backlog_tokens
+        prefills = self.membership.routable("prefill")
+        return bound > 0 and bool(prefills) and all(
+            self.inflight.prefill_tokens.get(p.worker_id, 0) >= bound for p in prefills)
 
     def _prompt_hashes(self, hold: Holding, prompt: list[int], block_size: int) -> Sequence[bytes]:
         """The attempt's prompt block hashes for a policy that uses them, computed once."""

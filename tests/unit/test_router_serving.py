@@ -36,6 +36,11 @@ def test_choose_path(mode, threshold, tokens, pair, path):
     assert choose_path(mode, threshold, tokens, pair) is path
 
 
+@pytest.mark.parametrize("mode,path", [("auto", COLOCATED), ("disaggregated", DISAGG), ("colocated", COLOCATED)])
+def test_a_backed_up_prefill_side_sends_long_prompts_colocated_in_auto_mode_only(mode, path):
+    assert choose_path(mode, 128, 5000, True, prefill_backlogged=True) is path
+
+
 def test_config_validates_mode_and_threshold():
     assert RouterConfig(serving_mode="auto", colocated_threshold_tokens=256).colocated_threshold_tokens == 256
     RouterConfig(serving_mode="colocated")
@@ -45,6 +50,8 @@ def test_config_validates_mode_and_threshold():
         RouterConfig(serving_mode="auto", colocated_threshold_tokens=-1)
     with pytest.raises(ValueError, match="auto"):
         RouterConfig(colocated_threshold_tokens=64)  # disaggregated mode ignores it: refuse
+    with pytest.raises(ValueError, match="auto_prefill_backlog_tokens"):
+        RouterConfig(serving_mode="auto", auto_prefill_backlog_tokens=-1)
 
 
 def test_flags_mirror_the_fields():
@@ -110,3 +117,32 @@ def test_auto_mode_counts_only_tokens_past_the_prefix_a_decode_worker_holds():
     m.kv_index.apply("d0", pb.KVEvents(snapshot=True, stored=block_hashes(prompt[:256], 16)))
     assert orch._path(prompt)[0] is COLOCATED               # 16 blocks held: 44 left
     assert orch._path(prompt[:50] + prompt)[0] is DISAGG    # another prefix: nothing held
+
+
+def test_auto_mode_prefills_on_the_decode_worker_while_every_prefill_worker_is_backed_up():
+    from router.metrics import RouterMetrics
+    from router.orchestrator import Orchestrator
+    from router.policy import make_policy
+
+    m = Membership(standalone_decode=True)
+    ps = [m.register(info(f"p{i}", pb.PREFILL))[0] for i in range(2)]
+    d, _ = m.register(info("d0", pb.DECODE))
+    for p in ps:
+        assert m.link(p.worker_id, "d0", (p.epoch, d.epoch))
+    config = RouterConfig(serving_mode="auto", colocated_threshold_tokens=100, auto_prefill_backlog_tokens=1000)
+    orch = Orchestrator(config, m, None, make_policy("load"), RouterMetrics(m))
+    prompt = tuple(range(1000, 1300))
+    assert orch._path(prompt)[0] is DISAGG                  # nothing in flight
+    orch.inflight.start_prefill("p0", 1500)
+    assert orch._path(prompt)[0] is DISAGG                  # p1 is free
+    orch.inflight.start_prefill("p1", 999)
+    assert orch._path(prompt)[0] is DISAGG                  # p1 below the bound
+    orch.inflight.start_prefill("p1", 1)
+    assert orch._path(prompt)[0] is COLOCATED               # both at the bound
+    orch.inflight.end_prefill("p0", 1500)
+    assert orch._path(prompt)[0] is DISAGG                  # p0 drained
+    off = Orchestrator(RouterConfig(serving_mode="auto", auto_prefill_backlog_tokens=0), m, None,
+                       make_policy("load"), RouterMetrics(m))
+    off.inflight.start_prefill("p0", 10**6)
+    off.inflight.start_prefill("p1", 10**6)
+    assert off._path(prompt)[0] is DISAGG                   # 0: never by load
