@@ -23,7 +23,8 @@ The router's ``serving_mode`` (`RouterConfig`) picks between them per request:
   queue is short). Otherwise, at a load the prefill workers cannot keep up with, the prompts
   queue for them while the decode workers idle between steps: 32 clients in flight on one
   prefill and one decode worker (native weights, ``python -m loadtest.peers``) saw a TTFT p50 of
-  11.3 s disaggregated, 1.6 s with half the prompts colocated.
+  11.3 s disaggregated and 2.4-2.8 s in auto mode with this rule (118.7 and 109-110 output
+  tokens/s: the decode steps that carry prompt chunks are slower).
 
 In ``colocated`` and ``auto`` modes a decode worker is routable as soon as it registers (it
 needs no prefill peer for Generate), so /health only asks for one decode worker.
