@@ -59,7 +59,6 @@ class ForwardBatch:
         is_decode: every sequence adds exactly one token.
         seq_ranges: ``(first_row, num_tokens, context_len, block_ids)`` per sequence.
         block_tables: ``[D, max_blocks]`` int64 (padded with block 0), the D one-token sequences.
-        attn_mask: ``[D, 1, 1, max_blocks * block_size]`` bool, True = attend.
         decode_lens: the D one-token sequences' contexts (tokens), the new token included.
         decode_groups: the D one-token sequences split into runs of rows that decode attention
             handles together (see `DecodeGroup`).
@@ -77,7 +76,6 @@ class ForwardBatch:
     is_decode: bool
     seq_ranges: list[tuple[int, int, int, torch.Tensor]]
     block_tables: torch.Tensor | None = None
-    attn_mask: torch.Tensor | None = None
     decode_lens: list[int] | None = None
     decode_groups: list["DecodeGroup"] | None = None
     decode_rows: torch.Tensor | None = None
@@ -136,6 +134,17 @@ class ForwardBatch:
             batch.decode_rows = torch.tensor([ranges[i][0] for i in singles], dtype=torch.long)
         return batch
 
+    @property
+    def attn_mask(self) -> torch.Tensor | None:
+        """``[D, 1, 1, max(decode_lens)]`` bool, True = attend: the decode rows' mask over their
+        contexts, built on demand (decode attention itself uses `decode_groups`); None without
+        decode rows."""
+        if self.decode_lens is None:
+            return None
+        span = torch.arange(max(self.decode_lens))
+        lens = torch.tensor(self.decode_lens)
+        return (span[None, :] < lens[:, None])[:, None, None, :]
+
     def to(self, device: torch.device) -> "ForwardBatch":
         """A copy with every tensor on ``device`` (the model's); off the CPU, the decode rows
         form one `DecodeGroup` (grouping keeps K/V in a CPU core's cache)."""
@@ -147,7 +156,7 @@ class ForwardBatch:
             self, input_ids=move(self.input_ids), positions=move(self.positions),
             slot_mapping=move(self.slot_mapping), logits_indices=move(self.logits_indices),
             seq_ranges=[(a, b, c, move(d)) for a, b, c, d in self.seq_ranges],
-            block_tables=move(self.block_tables), attn_mask=move(self.attn_mask),
+            block_tables=move(self.block_tables),
             decode_groups=None if groups is None else [g.to(device) for g in groups],
             decode_rows=move(self.decode_rows), sample_rows=move(self.sample_rows))
 
@@ -159,8 +168,6 @@ class ForwardBatch:
             tables[i, : blocks.numel()] = blocks
             lens[i] = ctx
         self.block_tables = tables
-        span = torch.arange(max_blocks * block_size)
-        self.attn_mask = (span[None, :] < lens[:, None])[:, None, None, :]
         self.decode_lens = lens.tolist()
         self.decode_groups = DecodeGroup.plan(tables, self.decode_lens, DECODE_GROUP_TOKENS)
 
@@ -216,6 +223,7 @@ class DecodeGroup:
         return groups
 
     def to(self, device: torch.device) -> "DecodeGroup":
+        """A copy with its tensors on ``device``."""
         bias = None if self.bias is None else self.bias.to(device, non_blocking=True)
         return DecodeGroup(self.lo, self.hi, self.span, self.blocks.to(device, non_blocking=True), bias)
 

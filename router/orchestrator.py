@@ -56,7 +56,7 @@ from router.membership import Member, Membership
 from router.metrics import RouterMetrics
 from router.policy import Inflight, Policy, avoid_last, sequence_blocks
 from router.request import Delta, GenerationRequest, Holding  # noqa: F401  (re-exported)
-from router.serving import ServingPath, choose_path
+from router.serving import ServingPath, choose_path, prefill_backlogged
 from router.warmup import Warmups
 from rpc import pdserve_pb2 as pb
 
@@ -253,15 +253,9 @@ class Orchestrator:
                 hashes = block_hashes(prompt, bs)
                 to_compute -= bs * max(self.membership.kv_index.overlap(d.worker_id, hashes) for d in caching)
         return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair,
-                           pair and self._prefill_backlogged()), hashes
-
-    def _prefill_backlogged(self) -> bool:
-        """Every routable prefill worker has ``auto_prefill_backlog_tokens`` or more prompt tokens
-        of this router's in flight (False when that bound is 0)."""
-        bound = self.config.auto_prefill_backlog_tokens
-        prefills = self.membership.routable("prefill")
-        return bound > 0 and bool(prefills) and all(
-            self.inflight.prefill_tokens.get(p.worker_id, 0) >= bound for p in prefills)
+                           pair and prefill_backlogged(self.membership.routable("prefill"),
+                                                       self.inflight.prefill_tokens,
+                                                       c.auto_prefill_backlog_tokens)), hashes
 
     def _prompt_hashes(self, hold: Holding, prompt: list[int], block_size: int) -> Sequence[bytes]:
         """The attempt's prompt block hashes for a policy that uses them, computed once."""

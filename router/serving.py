@@ -33,6 +33,7 @@ needs no prefill peer for Generate), so /health only asks for one decode worker.
 from __future__ import annotations
 
 import enum
+from typing import Mapping, Sequence
 
 SERVING_MODES = ("disaggregated", "colocated", "auto")
 
@@ -68,6 +69,14 @@ def choose_path(mode: str, threshold_tokens: int, prompt_tokens: int,
     if prompt_tokens < threshold_tokens or not pair_available or prefill_backlogged:
         return ServingPath.COLOCATED
     return ServingPath.DISAGGREGATED
+
+
+def prefill_backlogged(prefill_workers: Sequence, inflight_tokens: Mapping[str, int], bound: int) -> bool:
+    """Whether every one of ``prefill_workers`` (routable members, with ``worker_id``) has at
+    least ``bound`` prompt tokens in flight (``inflight_tokens``: worker id -> tokens); False
+    when ``bound`` is 0 or there is no prefill worker."""
+    return bound > 0 and bool(prefill_workers) and all(
+        inflight_tokens.get(p.worker_id, 0) >= bound for p in prefill_workers)
 
 
 def decode_standalone(mode: str) -> bool:
