@@ -121,8 +121,8 @@ def kernel_path(loaded) -> str:
 
         rows, dense = model._layers[0].wqkv.max_int4_rows, str(dense_dtype()).removeprefix("torch.")
         head = model._lm_head.max_int8_rows
-        return (f"int4 (<= {rows} rows, measured at load), {model.linear_backend} {dense} above; lm_head int8 "
-                f"(<= {head} rows), {model.linear_backend} {dense} above; KV {loaded.kv_dtype}, attention float32")
+        return (f"int4 (<= {rows} rows, measured at load), {model.linear_backend} {dense} above; lm_head Q8_0 on "
+                f"onnxruntime MatMulNBits (<= {head} rows), {model.linear_backend} {dense} above; KV {loaded.kv_dtype}, attention float32")
     gemv = ", one row: sgemv copies (measured faster)" if model.gemv_copies else ""
     return f"{model._layers[0].wqkv.backend} {loaded.dtype}{gemv}, KV {loaded.kv_dtype}"
 

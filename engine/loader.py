@@ -59,6 +59,7 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     Raises:
         ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
             with no 4-bit projections.
+        engine.mlas.KernelUnavailable: native weights without onnxruntime (a dependency).
         ValueError: unknown weights mode; native weights on CUDA or without the int4 kernel in
             this torch build; bf16 weights on a CPU without native bfloat16 matmuls (emulated,
             ~5x slower than fp32); a CUDA device on a machine without one.

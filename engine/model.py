@@ -39,12 +39,13 @@ class LlamaModel:
             max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
                 many tokens per forward pass, their dequantized copy above it. None: measured on
                 this CPU at load (`engine.quant.measure_max_low_bit_rows`).
-            max_int8_head_rows: with 4-bit projections, the LM head runs int8 for at most this
-                many logits rows, a dense copy above it (`engine.quant.HeadLinear`). None:
-                measured at load, as ``max_int4_rows``; not the default, since both paths
-                round the logits to bfloat16, differently, and a greedy answer whose two best
-                tokens are that close must not depend on a timing (on this project's AMD EPYC
-                the two paths tie at one row: 4.4 vs 4.5 ms).
+            max_int8_head_rows: with 4-bit projections, the LM head runs the file's Q8_0 blocks
+                (int8 activations, `engine.mlas`) for at most this many logits rows, a dense
+                copy above it (`engine.quant.HeadLinear`). None: measured at load, as
+                ``max_int4_rows``; not the default, since the two paths round the logits
+                differently and a greedy answer whose two best tokens are that close must not
+                depend on a timing (on this project's AMD EPYC, one row: 1.9 against 4.7 ms;
+                four rows: 3.0 against about 5).
             gemv_copies: float32 projections keep their plain weights beside oneDNN's packed ones
                 for one-row inputs (`engine.linear.Linear`; more memory), if timing at load finds
                 them faster on this CPU (`engine.linear.gemv_copy_pays`; `self.gemv_copies`).

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.linear import Linear, bf16_matmul_fast, median_seconds
+from engine.mlas import NBitsMatMul, q8_codes
 
 log = logging.getLogger(__name__)
 
@@ -215,17 +216,29 @@ class Int4Linear:
 
 
 class HeadLinear:
-    """Native mode's LM head ``y = x @ W.T``: per-row int8 for few rows, a dense copy for many.
+    """Native mode's LM head ``y = x @ W.T``: the file's Q8_0 blocks for few rows, a dense copy
+    for many.
 
     The file stores the (tied) embedding as Q8_0 (int8 codes, one float16 scale per 32 weights).
     A decode step of few sequences reads the whole head (49152 x 576 for SmolLM2-135M), so its
-    bytes bound the step: inputs of at most ``max_int8_rows`` rows run torch's int8 weight-only
-    matmul (``aten._weight_int8pack_mm``, the kernel torchao's int8 weight-only CPU path calls),
-    1 byte per weight, on the weights requantized to int8 with one scale per row
-    (``scale ~ max|w| / 127`` in bfloat16, round to nearest: error <= scale / 2 per weight; the
-    kernel takes no per-group scales); more rows (prefill, large decode batches, where the int8 kernel is
-    slower than a blocked matmul) use a dense copy in `dense_dtype` (bfloat16 rounds Q8_0's values
-    ``d * q`` by at most ``|d q| 2^-9 <= 0.25 d``, below Q8_0's own step ``d``).
+    bytes bound the step: inputs of at most ``max_int8_rows`` rows run onnxruntime's 8-bit
+    MatMulNBits (`engine.mlas`: int8 activations, integer dot products; 1.9-2.0 ms per decode
+    step on this project's AMD EPYC against 4.4-4.7 ms for torch's ``aten._weight_int8pack_mm``,
+    which dequantizes to float) on the Q8_0 codes and scales, recovered exactly from the
+    dequantized weight (`engine.mlas.q8_codes`). More rows (prefill, large decode batches, where
+    it is slower than a blocked matmul) use a dense copy in `dense_dtype` (bfloat16 rounds
+    Q8_0's values ``d * q`` by at most ``|d q| 2^-9 <= 0.25 d``, below Q8_0's own step ``d``).
+
+    The kernel rounds each block of 32 activations to int8 (step ``s = max|x_block| / 127``), so
+    a logit moves by at most ``sum_blocks s / 2 * sum_block |w|`` (the activation error times
+    the weights' magnitudes), about 0.1 at SmolLM2's logits of ~25: enough to reorder a near tie
+    ("What is the capital of France?" answered "L'Etoile..." instead of "The capital...").
+    `low_bit` therefore bounds that error for every vocabulary row (coarsely: the largest block's
+    step times ``sum_k |w_nk|``, one multiply over the vocabulary) and recomputes exactly, in
+    float32 from the Q8_0 codes, every logit whose bound reaches the best lower bound (a few
+    to a few hundred of 49152; 0.1 ms on top of the kernel's 1.9): the
+    greedy token and the logits of every token that could be it are then those of a float
+    matmul with the file's weights, whatever the int8 rounding did.
 
     Args:
         weight: ``[out_features, in_features]`` (any float dtype).
@@ -233,41 +246,59 @@ class HeadLinear:
         backend: "onednn" or "torch" for the dense copy (`engine.linear`).
     Call with ``x``: ``[tokens, in_features]`` float32 or bfloat16; returns ``[tokens, out_features]``
     in ``x``'s dtype.
+    Raises:
+        engine.mlas.KernelUnavailable: onnxruntime missing.
     """
 
     def __init__(self, weight: torch.Tensor, max_int8_rows: int, backend: str):
         self.out_features, self.in_features = weight.shape
         self.max_int8_rows = max_int8_rows
-        w = weight.float()
-        # the kernel takes bfloat16 scales: round up (2^-8 > bfloat16's 2^-9 rounding) so max|w|
-        # still maps inside [-127, 127], and quantize with the rounded scale
-        scale = (w.abs().amax(dim=1) / 127.0 * (1 + 2**-8)).clamp_min(1e-30).bfloat16()
-        self._scale = scale
-        self._int8 = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        codes, scale = q8_codes(weight)
+        self._nbits = NBitsMatMul(codes, scale, bits=8)
+        n, k = self.out_features, self.in_features
+        self._codes, self._scale = codes, scale                    # [N, K] uint8 (q + 128); [N, K / 32] float32
+        q = codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).astype(np.int16) - 128
+        self._abs_total = (np.abs(q).sum(-1) * scale).sum(-1, dtype=np.float32)   # [N]: sum_k |w_nk|
         self._dtype = dense_dtype()
         self._dense = Linear(weight.to(self._dtype), backend)
 
     def set_max_rows(self, rows: int) -> None:
-        """Use the int8 kernel up to ``rows`` rows from now on; 0 also frees its codes."""
+        """Use the int8 kernel up to ``rows`` rows from now on; 0 also frees it."""
         self.max_int8_rows = rows
         if rows == 0:
-            self._int8 = None
+            self._nbits = self._codes = self._scale = self._abs_total = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.low_bit(x) if x.shape[0] <= self.max_int8_rows else self.dense(x)
         return y.to(x.dtype)
 
     def low_bit(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` through the int8 kernel, in bfloat16."""
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self._int8, self._scale)
+        """``x @ W.T`` through the int8 kernel, in float32, every logit that could be its row's
+        largest recomputed exactly (see the class docstring)."""
+        y = self._nbits(x)
+        xf = x.float().numpy()
+        m, k = xf.shape
+        # half the largest block's int8 step: |error of y_n| <= half_step * sum_k |w_nk|
+        half_step = np.abs(xf.reshape(m, k // GROUP_SIZE, GROUP_SIZE)).max(axis=(1, 2)) / 254.0
+        for r, yr in enumerate(y.numpy()):   # in numpy: a few passes over the vocabulary, no dispatch
+            bound = self._abs_total * np.float32(half_step[r] * (1 + 2**-10))
+            # + float32 accumulation slack: 2^-10 of the largest |logit|, besides the bound's own
+            slack = np.abs(yr).max() * np.float32(2**-9)
+            cols = np.flatnonzero(yr + bound >= (yr - bound).max() - slack)
+            w = (self._codes[cols].reshape(-1, k // GROUP_SIZE, GROUP_SIZE).astype(np.float32) - 128.0) \
+                * self._scale[cols][..., None]
+            yr[cols] = w.reshape(-1, k) @ xf[r]
+        return y
+
+    def dequantized(self) -> torch.Tensor:
+        """``[out_features, in_features]`` float32: the Q8_0 weights the int8 path multiplies by."""
+        n, k = self._codes.shape
+        q = self._codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).astype(np.float32) - 128.0
+        return torch.from_numpy((q * self._scale[..., None]).reshape(n, k))
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` through the dense copy, in `dense_dtype`."""
         return self._dense(x.to(self._dtype).contiguous())
-
-    def dequantized_int8(self) -> torch.Tensor:
-        """``[out_features, in_features]`` float32: the weights the int8 path multiplies by."""
-        return self._int8.float() * self._scale.float()[:, None]
 
 
 ROW_CANDIDATES = (1, 2, 4, 8)

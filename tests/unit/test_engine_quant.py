@@ -19,6 +19,7 @@ T = gguf.GGMLQuantizationType
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(),
                                 reason=f"torch {torch.__version__} has no working CPU int4 kernel")
+# (onnxruntime, which the LM head needs, is a dependency: its absence fails, not skips)
 
 
 def _quantized(kind, n=48, k=96, seed=0):
@@ -82,16 +83,46 @@ def test_lm_head_int8_and_dense_paths_agree_with_the_weights(backend):
     data, shape = _quantized(T.Q8_0, n=200, k=128)
     w = torch.from_numpy(gguf.quants.dequantize(data, T.Q8_0))
     head = HeadLinear(w, max_int8_rows=4, backend=backend)
-    # the int8 copy: within half a step of one scale per row
-    step = head._scale.float()[:, None]
-    assert bool((step <= w.abs().amax(dim=1, keepdim=True) / 127 * 1.01).all())
-    assert bool(((head.dequantized_int8() - w).abs() <= step * 0.5 + 1e-7).all())
-    for rows in (1, 4, 5, 9):   # int8 kernel up to 4 rows, dense copy above
+    for rows in (1, 4, 5, 9):   # the Q8_0 kernel up to 4 rows (int8 activations), dense copy above
         x = torch.randn(rows, 128)
         y = head(x)
         assert y.dtype == torch.float32 and y.shape == (rows, 200)
-        ref = x.bfloat16().float() @ (head.dequantized_int8() if rows <= 4 else w).T
-        torch.testing.assert_close(y, ref, atol=3e-2, rtol=2e-2)
+        ref = x @ w.T
+        if rows <= 4:
+            assert float((y - ref).norm() / ref.norm()) < 1e-2
+            assert not torch.equal(y, head.dense(x).float())   # not the dense copy
+            # the int8 activations' error never decides the best token: it and its logit are exact
+            assert torch.equal(y.argmax(-1), ref.argmax(-1))
+            torch.testing.assert_close(y.max(-1).values, ref.max(-1).values, rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(y, head.dense(x).float())
+    head.set_max_rows(0)
+    assert head._nbits is None and torch.equal(head(x[:1]), head.dense(x[:1]).float())
+
+
+def test_lm_head_near_ties_are_decided_by_the_exact_logits():
+    """Logits a few hundredths apart (a near tie, as SmolLM2 meets on "What is the capital of
+    France?"): the kernel's int8 activations alone get the order wrong in some of these rows;
+    the exact recomputation of every contender gets every row right."""
+    gen = torch.Generator().manual_seed(5)
+    k = 128
+    data, shape = _quantized(T.Q8_0, n=64, k=k, seed=5)
+    w = torch.from_numpy(gguf.quants.dequantize(data, T.Q8_0))
+    head = HeadLinear(w, max_int8_rows=4, backend="torch")
+    raw_wrong = 0
+    for _ in range(50):
+        x = torch.randn(1, k, generator=gen) * 20
+        ref = (x.double() @ w.double().T)[0]
+        top2 = ref.topk(2)
+        if float(top2.values[0] - top2.values[1]) > 0.05:
+            # move row 1 to within 0.01 of the best: a near tie
+            x = x + (float(top2.values[0] - top2.values[1]) - 0.01) * (w[top2.indices[1]] - w[top2.indices[0]]) \
+                / float((w[top2.indices[1]] - w[top2.indices[0]]).double().pow(2).sum())
+            ref = (x.double() @ w.double().T)[0]
+        y = head(x)[0]
+        assert int(y.argmax()) == int(ref.argmax())
+        raw_wrong += int(head._nbits(x)[0].argmax()) != int(ref.argmax())
+    assert raw_wrong > 0   # the test meets ties the int8 kernel alone gets wrong
 
 
 def test_weights_modes_and_the_compatibility_hash():

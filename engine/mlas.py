@@ -1,0 +1,137 @@
+"""Block-quantized weight-only matmuls on onnxruntime's MLAS kernels (``com.microsoft.MatMulNBits``).
+
+Native mode's LM head runs here when few rows come in (decode; `engine.quant.HeadLinear`). The
+operator (onnxruntime ``docs/ContribOperators.md``, MatMulNBits) takes ``[N, K]`` weights as
+unsigned ``bits``-bit codes in blocks of ``block_size`` along K, one float scale per block and a
+zero point, and computes ``Y = A @ W.T`` with ``W = (code - zero_point) * scale``; without a
+zero-point input the zero point is ``2^(bits-1)`` (8 for 4 bits, 128 for 8). With
+``accuracy_level=4`` MLAS quantizes each block of ``A`` to int8 (one float scale per block) and
+multiplies with integer dot products (AVX512-VNNI / AVX-VNNI where the CPU has them, AVX2 or
+AVX-512 integer multiply-adds otherwise), as llama.cpp does for its Q8_0 weights. GGUF's Q8_0
+(``w = d q``, ``q`` int8, 32 per block) maps onto it exactly: codes ``q + 128``, scale ``d``.
+
+Measured on this project's AMD EPYC (AVX-512 with VNNI and BF16), one thread, SmolLM2-135M
+shapes, call overhead included:
+- the 49152 x 576 head, one row: MLAS 1.7-2.0 ms, torch's ``aten._weight_int8pack_mm`` 4.4 ms
+  (it dequantizes every weight to float), a bfloat16 dense matmul 4.7 ms. Taken.
+- the 4-bit projections (Q4_1, where a per-block minimum rides on a second small matmul of
+  per-block input sums, since the operator's zero point is an integer): one 576 x 3072 gate/up
+  projection alone, warm, MLAS 65 us against 101 us for torch's
+  ``aten._weight_int4pack_mm_for_cpu``; but all 120 projections of one decode step in turn,
+  their weights no longer in cache, MLAS 8.2 ms (11.0 with the minimum's matmul) against 7.0 ms:
+  a session run costs ~50 us more when its state is cold. Not taken (`engine.quant.Int4Linear`).
+- with more rows MLAS loses to a blocked bfloat16 matmul (32 rows of gate/up: 1028 against
+  644 us), so the head keeps a dense copy for those.
+Not compared on an AVX2-only CPU here.
+
+The activations' int8 rounding makes results differ from a float matmul by about 0.5% of the
+output's scale (`tests/unit/test_engine_mlas.py` bounds it; llama.cpp's own error is of the
+same kind).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+BLOCK = 32   # QK4_0 == QK4_1 == QK8_0 == 32 in ggml; a Q4_K sub-block is 32 weights too
+ACCURACY_INT8 = 4   # MatMulNBits accuracy_level: int8 activations, integer dot products
+
+
+class KernelUnavailable(RuntimeError):
+    """onnxruntime (or its MatMulNBits operator) is not installed or not usable here."""
+
+
+def _onnx():
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError as e:   # both are project dependencies (pyproject.toml)
+        raise KernelUnavailable(f"native weights need onnxruntime and onnx ({e}); "
+                                "reinstall pdserve's dependencies") from e
+    return onnx, onnxruntime
+
+
+def session_options(threads: int | None = None):
+    """onnxruntime session options for one worker: ``threads`` intra-op threads (default torch's
+    count, so a worker's ``--threads`` covers both), no inter-op parallelism, no spinning (an
+    idle worker burns no CPU), warnings only."""
+    _, ort = _onnx()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return so
+
+
+class NBitsMatMul:
+    """``y = x @ W.T`` for block-quantized ``W`` through MatMulNBits (see module docstring).
+
+    Args:
+        codes: ``[N, K]`` unsigned codes (uint8 array or tensor), below ``2 ** bits``.
+        scale: ``[N, K // 32]`` float32, one per block.
+        bits: 4 or 8; the zero point is ``2 ** (bits - 1)``: ``W = (code - 2^(bits-1)) * scale``.
+        threads: intra-op threads (default: torch's count when built).
+    Call with ``x``: ``[M, K]`` (any float dtype; computed from float32); returns ``[M, N]``
+    float32.
+    Raises:
+        KernelUnavailable: onnxruntime missing.
+        ValueError: shapes or bits that do not fit.
+    """
+
+    def __init__(self, codes, scale, bits: int, threads: int | None = None):
+        _, ort = _onnx()
+        from onnx import TensorProto, helper, numpy_helper
+
+        codes = np.asarray(codes, dtype=np.uint8)
+        n, k = codes.shape
+        if bits not in (4, 8) or k % BLOCK:
+            raise ValueError(f"MatMulNBits here takes 4 or 8 bits and K a multiple of {BLOCK}; got {bits}, K={k}")
+        scale = np.ascontiguousarray(np.asarray(scale, dtype=np.float32))
+        if scale.shape != (n, k // BLOCK):
+            raise ValueError(f"scale shape {scale.shape} != {(n, k // BLOCK)}")
+        if int(codes.max(initial=0)) >= 1 << bits:
+            raise ValueError(f"codes exceed {bits} bits")
+        self.out_features, self.in_features, self.bits = n, k, bits
+        if bits == 4:   # two codes per byte, element 2i in the low nibble
+            packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, k // BLOCK, BLOCK // 2)
+        else:
+            packed = codes.reshape(n, k // BLOCK, BLOCK)
+        inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scale.reshape(-1), "S")]
+        node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n,
+                                bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_INT8)
+        graph = helper.make_graph([node], "nbits_matmul",
+                                  [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, k])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, n])], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        try:
+            self._session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                                 providers=["CPUExecutionProvider"])
+        except Exception as e:   # onnxruntime raises its own exception types
+            raise KernelUnavailable(f"onnxruntime cannot run MatMulNBits here: {e}") from e
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.detach().to(torch.float32).contiguous().numpy()
+        return torch.from_numpy(self._session.run(["Y"], {"A": a})[0])
+
+
+def q8_codes(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of 32 along each row of a float weight, quantized as llama.cpp's Q8_0 does
+    (``d = max|w| / 127``, ``q = round(w / d)``): ``(codes [N, K] uint8 = q + 128, scale
+    [N, K // 32] float32)``. On weights dequantized from a Q8_0 tensor this gives back the
+    file's codes and scales exactly (its quantizer maps each block's largest magnitude to
+    +-127, and ``127 d / 127`` is exact in float32).
+    Raises:
+        ValueError: K not a multiple of 32."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK}")
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0)[..., None]).clamp_(-127, 127)
+    return (q.to(torch.int16) + 128).to(torch.uint8).reshape(n, k).numpy(), d.numpy()
