@@ -233,10 +233,10 @@ class HeadLinear:
     a logit moves by at most ``sum_blocks s / 2 * sum_block |w|`` (the activation error times
     the weights' magnitudes), about 0.1 at SmolLM2's logits of ~25: enough to reorder a near tie
     ("What is the capital of France?" answered "L'Etoile..." instead of "The capital...").
-    `low_bit` therefore bounds that error for every vocabulary row (coarsely: the largest block's
-    step times ``sum_k |w_nk|``, one multiply over the vocabulary) and recomputes exactly, in
-    float32 from the Q8_0 codes, every logit whose bound reaches the best lower bound (a few
-    to a few hundred of 49152; 0.1 ms on top of the kernel's 1.9): the
+    `low_bit` therefore bounds that error for every vocabulary row (per block: a ``[N, K / 32]``
+    matrix-vector product) and recomputes exactly, in float32 from the Q8_0 codes, every logit
+    whose bound reaches the best lower bound (a few to a few hundred of 49152; 0.2-0.3 ms on
+    top of the kernel's 1.9): the
     greedy token and the logits of every token that could be it are then those of a float
     matmul with the file's weights, whatever the int8 rounding did.
 
@@ -258,7 +258,8 @@ class HeadLinear:
         n, k = self.out_features, self.in_features
         self._codes, self._scale = codes, scale                    # [N, K] uint8 (q + 128); [N, K / 32] float32
         q = codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).astype(np.int16) - 128
-        self._abs_total = (np.abs(q).sum(-1) * scale).sum(-1, dtype=np.float32)   # [N]: sum_k |w_nk|
+        # [K / 32, N] float32: sum |w| per block, laid out for one-row products
+        self._abs_sums_t = torch.from_numpy(np.ascontiguousarray((np.abs(q).sum(-1) * scale).T, dtype=np.float32))
         self._dtype = dense_dtype()
         self._dense = Linear(weight.to(self._dtype), backend)
 
@@ -266,7 +267,7 @@ class HeadLinear:
         """Use the int8 kernel up to ``rows`` rows from now on; 0 also frees it."""
         self.max_int8_rows = rows
         if rows == 0:
-            self._nbits = self._codes = self._scale = self._abs_total = None
+            self._nbits = self._codes = self._scale = self._abs_sums_t = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.low_bit(x) if x.shape[0] <= self.max_int8_rows else self.dense(x)
@@ -278,16 +279,18 @@ class HeadLinear:
         y = self._nbits(x)
         xf = x.float().numpy()
         m, k = xf.shape
-        # half the largest block's int8 step: |error of y_n| <= half_step * sum_k |w_nk|
-        half_step = np.abs(xf.reshape(m, k // GROUP_SIZE, GROUP_SIZE)).max(axis=(1, 2)) / 254.0
+        # half each block's int8 step: |error of y_n| <= sum_b half_step_b * sum_{k in b} |w_nk|
+        half_steps = np.abs(xf.reshape(m, k // GROUP_SIZE, GROUP_SIZE)).max(axis=-1) / np.float32(254.0)
+        # matmuls through torch (its thread count): numpy's BLAS would start threads of its own
+        bounds = (torch.from_numpy(half_steps * np.float32(1 + 2**-10)) @ self._abs_sums_t).numpy()   # [M, N]
         for r, yr in enumerate(y.numpy()):   # in numpy: a few passes over the vocabulary, no dispatch
-            bound = self._abs_total * np.float32(half_step[r] * (1 + 2**-10))
-            # + float32 accumulation slack: 2^-10 of the largest |logit|, besides the bound's own
+            bound = bounds[r]
+            # + float32 accumulation slack: 2^-9 of the largest |logit|, besides the bound's own
             slack = np.abs(yr).max() * np.float32(2**-9)
             cols = np.flatnonzero(yr + bound >= (yr - bound).max() - slack)
             w = (self._codes[cols].reshape(-1, k // GROUP_SIZE, GROUP_SIZE).astype(np.float32) - 128.0) \
                 * self._scale[cols][..., None]
-            yr[cols] = w.reshape(-1, k) @ xf[r]
+            yr[cols] = (torch.from_numpy(w.reshape(-1, k)) @ torch.from_numpy(xf[r])).numpy()
         return y
 
     def dequantized(self) -> torch.Tensor:
