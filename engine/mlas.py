@@ -52,13 +52,14 @@ def _onnx():
     return onnx, onnxruntime
 
 
-def session_options(threads: int | None = None):
-    """onnxruntime session options for one worker: ``threads`` intra-op threads (default torch's
-    count, so a worker's ``--threads`` covers both), no inter-op parallelism, no spinning (an
-    idle worker burns no CPU), warnings only."""
+def session_options(threads: int = 1):
+    """onnxruntime session options: ``threads`` intra-op threads (default 1: the op runs on the
+    calling thread and onnxruntime starts no pool; a worker's other ``--threads`` serve torch),
+    no inter-op parallelism, no spinning (an idle worker burns no CPU), warnings only. (Importing
+    onnxruntime itself starts one idle library thread, as importing numpy starts OpenBLAS's.)"""
     _, ort = _onnx()
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads or torch.get_num_threads()
+    so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
@@ -74,7 +75,7 @@ class NBitsMatMul:
         codes: ``[N, K]`` unsigned codes (uint8 array or tensor), below ``2 ** bits``.
         scale: ``[N, K // 32]`` float32, one per block.
         bits: 4 or 8; the zero point is ``2 ** (bits - 1)``: ``W = (code - 2^(bits-1)) * scale``.
-        threads: intra-op threads (default: torch's count when built).
+        threads: intra-op threads (`session_options`).
     Call with ``x``: ``[M, K]`` (any float dtype; computed from float32); returns ``[M, N]``
     float32.
     Raises:
@@ -82,7 +83,7 @@ class NBitsMatMul:
         ValueError: shapes or bits that do not fit.
     """
 
-    def __init__(self, codes, scale, bits: int, threads: int | None = None):
+    def __init__(self, codes, scale, bits: int, threads: int = 1):
         _, ort = _onnx()
         from onnx import TensorProto, helper, numpy_helper
 

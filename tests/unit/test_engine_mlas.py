@@ -71,13 +71,13 @@ def test_bad_shapes_are_refused():
         NBitsMatMul(codes + 16, np.ones((4, 2), np.float32), bits=4)
 
 
-def test_sessions_use_the_workers_thread_count_and_never_spin():
-    torch_threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        so = session_options()
-        assert so.intra_op_num_threads == 2 and so.inter_op_num_threads == 1
-        assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-        assert session_options(threads=1).intra_op_num_threads == 1
-    finally:
-        torch.set_num_threads(torch_threads)
+def test_sessions_run_on_the_calling_thread_and_never_spin():
+    import os
+
+    so = session_options()
+    assert so.intra_op_num_threads == 1 and so.inter_op_num_threads == 1
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    before = len(os.listdir("/proc/self/task"))
+    mm = NBitsMatMul(np.full((64, 64), 128, np.uint8), np.ones((64, 2), np.float32), bits=8)
+    assert torch.equal(mm(torch.randn(2, 64)), torch.zeros(2, 64))   # codes at the zero point
+    assert len(os.listdir("/proc/self/task")) == before   # no thread pool started
