@@ -55,7 +55,8 @@ def _onnx():
 def session_options(threads: int = 1):
     """onnxruntime session options: ``threads`` intra-op threads (default 1: the op runs on the
     calling thread and onnxruntime starts no pool; a worker's other ``--threads`` serve torch),
-    no inter-op parallelism, no spinning (an idle worker burns no CPU), warnings only. (Importing
+    no inter-op parallelism, no spinning (an idle worker burns no CPU), no memory arena (nothing
+    held beyond the session's weights between calls), warnings only. (Importing
     onnxruntime itself starts one idle library thread, as importing numpy starts OpenBLAS's.)"""
     _, ort = _onnx()
     so = ort.SessionOptions()
@@ -63,6 +64,8 @@ def session_options(threads: int = 1):
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
+    so.enable_cpu_mem_arena = False
+    so.enable_mem_pattern = False
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
     return so

@@ -79,5 +79,6 @@ def test_sessions_run_on_the_calling_thread_and_never_spin():
     assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     before = len(os.listdir("/proc/self/task"))
     mm = NBitsMatMul(np.full((64, 64), 128, np.uint8), np.ones((64, 2), np.float32), bits=8)
-    assert torch.equal(mm(torch.randn(2, 64)), torch.zeros(2, 64))   # codes at the zero point
+    # codes at the zero point: zero, up to the float rounding of the zero point's correction
+    torch.testing.assert_close(mm(torch.randn(2, 64)), torch.zeros(2, 64), atol=1e-3, rtol=0)
     assert len(os.listdir("/proc/self/task")) == before   # no thread pool started
