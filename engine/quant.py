@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from engine.linear import Linear, bf16_matmul_fast, median_seconds
-from engine.mlas import NBitsMatMul, q8_codes
+from engine.mlas import BLOCK, NBitsMatMul, q8_codes
 
 log = logging.getLogger(__name__)
 
-GROUP_SIZE = 32   # QK4_0 == QK4_1 == 32 in ggml; a Q4_K sub-block is 32 weights too
+GROUP_SIZE = BLOCK   # QK4_0 == QK4_1 == 32 in ggml; a Q4_K sub-block is 32 weights too
 # GGUF type name -> (bytes per 32-weight block, has a minimum)
 _BLOCK = {"Q4_0": (18, False), "Q4_1": (20, True)}
 QK_K, Q4_K_BYTES = 256, 144   # ggml-common.h: block_q4_K holds 256 weights in 144 bytes
@@ -292,12 +292,6 @@ class HeadLinear:
                 * self._scale[cols][..., None]
             yr[cols] = (torch.from_numpy(w.reshape(-1, k)) @ torch.from_numpy(xf[r])).numpy()
         return y
-
-    def dequantized(self) -> torch.Tensor:
-        """``[out_features, in_features]`` float32: the Q8_0 weights the int8 path multiplies by."""
-        n, k = self._codes.shape
-        q = self._codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).astype(np.float32) - 128.0
-        return torch.from_numpy((q * self._scale[..., None]).reshape(n, k))
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` through the dense copy, in `dense_dtype`."""
