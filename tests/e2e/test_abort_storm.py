@@ -1,6 +1,7 @@
 """Abort storm: hundreds of clients disconnecting at random points (before the first token, so
-during prefill and KV transfer, and mid-stream). Every pool must be full again afterwards and
-later requests' greedy output must still equal the single-process engine's."""
+during prefill and KV transfer, and mid-stream), one in ten never cut. Every stream that finished
+must equal the single-process engine's greedy answer, every pool must be full again afterwards,
+and later requests' greedy output must still equal the engine's."""
 
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ async def _storm(url: str, prompts: list[str], seed: int) -> list[dict]:
         tasks = []
         for i in range(NUM_CLIENTS):
             await asyncio.sleep(rng.expovariate(20.0))
-            if i % 2:  # cut at a random time: queued, prefilling, transferring or streaming
+            if i % 10 == 0:   # never cut: some streams must finish under the storm, exact
+                seconds, chunk = 120.0, 10**9
+            elif i % 2:  # cut at a random time: queued, prefilling, transferring or streaming
                 seconds, chunk = rng.uniform(0.05, 2.0), 10**9
             else:      # cut after a few streamed chunks
                 seconds, chunk = 60.0, rng.randint(1, 8)
@@ -82,8 +85,8 @@ async def _storm(url: str, prompts: list[str], seed: int) -> list[dict]:
 
 
 def test_abort_storm_leaves_pools_full_and_outputs_correct(storm_cluster, tokenizer, reference):
-    prompts = ["Tell me about the ocean.", "word " * 700, "Explain photosynthesis step by step. " * 20,
-               "List ten animals.", "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 60]
+    prompts = ["Tell me about the ocean.", "word " * 300, "Explain photosynthesis step by step. " * 20,
+               "List ten animals.", "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 25]
     outcomes = asyncio.run(_storm(storm_cluster.url, prompts, seed=7))
     cut_early = sum(1 for o in outcomes if not o["finished"] and not o.get("chunks"))
     cut_mid = sum(1 for o in outcomes if not o["finished"] and o.get("chunks"))
@@ -95,7 +98,7 @@ def test_abort_storm_leaves_pools_full_and_outputs_correct(storm_cluster, tokeni
     assert statuses == {200}, statuses
     assert not [o["errors"] for o in outcomes if o["errors"]]
     finished = [o for o in outcomes if o["finished"]]
-    assert finished and all(o.get("done") for o in finished)
+    assert len(finished) >= NUM_CLIENTS // 10 and all(o.get("done") for o in finished)
     for o in finished:
         want = reference(tokenizer.encode(o["prompt"]), MAX_TOKENS).text
         assert o["text"] == want, o["prompt"][:40]
