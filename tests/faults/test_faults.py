@@ -103,22 +103,16 @@ def _run_phase(cluster, workload, tag, fault, n=16, interval=0.35, allow_failure
     return results
 
 
-def _wait_streaming(cluster, worker: str, key: str, timeout_s=60, at_least=1):
-    def busy():
-        w = cluster.probe().get("workers", {}).get(worker, {})
-        return w.get(key, 0) >= at_least
-    wait_for(busy, timeout_s, f"{worker} to have {key} >= {at_least}", interval_s=0.1)
-
-
-def _wait_any_busy(cluster, workers: list[str], key: str, timeout_s=60) -> str:
-    """The first of ``workers`` seen holding a request counted by ``key`` in the router's probe."""
+def _wait_busy(cluster, workers: list[str], key: str, timeout_s=60, at_least=1) -> str:
+    """The first of ``workers`` seen holding ``at_least`` requests counted by ``key``
+    ("running", "waiting") in the router's probe."""
     found: list[str] = []
 
     def busy():
         probed = cluster.probe().get("workers", {})
-        found[:] = [w for w in workers if probed.get(w, {}).get(key, 0) >= 1]
+        found[:] = [w for w in workers if probed.get(w, {}).get(key, 0) >= at_least]
         return bool(found)
-    wait_for(busy, timeout_s, f"one of {workers} to have {key} >= 1", interval_s=0.1)
+    wait_for(busy, timeout_s, f"one of {workers} to have {key} >= {at_least}", interval_s=0.1)
     return found[0]
 
 
@@ -132,7 +126,7 @@ def test_kill_decode_mid_stream(fault_cluster, workload):
     # Dense traffic and >= 2 sequences seen on the victim: a stream lasts ~1-2 s and the probe's
     # view is a fraction of a second old by the kill, so one sequence seen could be finishing.
     _run_phase(fault_cluster, workload, "kill-decode",
-               lambda: (_wait_streaming(fault_cluster, "decode-0", "running", at_least=2),
+               lambda: (_wait_busy(fault_cluster, ["decode-0"], "running", at_least=2),
                         fault_cluster.kill("decode-0")), n=24, interval=0.2)
     assert REPORT["kill-decode"]["migrated"] + REPORT["kill-decode"]["retried"] >= 1
 
@@ -141,8 +135,8 @@ def test_kill_prefill_mid_transfer(fault_cluster, workload):
     # whichever prefill worker is first seen holding a prompt: the router may keep a prefix's
     # prompts on the worker that caches it, so one named worker can stay idle for a whole phase
     _run_phase(fault_cluster, workload, "kill-prefill",
-               lambda: fault_cluster.kill(_wait_any_busy(fault_cluster, sorted(_live(fault_cluster, "prefill")),
-                                                         "waiting")))
+               lambda: fault_cluster.kill(_wait_busy(fault_cluster, sorted(_live(fault_cluster, "prefill")),
+                                                     "waiting")))
 
 
 def test_add_decode_worker_takes_traffic(fault_cluster, workload):
@@ -180,7 +174,7 @@ def test_drain_prefill_worker(fault_cluster, workload):
         # Whichever prefill worker is first seen holding a prompt (its "waiting" counts every job
         # it holds) is drained. Waiting for prefill-1 alone once saw none in 60 s (CI, 2026-11-24):
         # the router may send a prefix's prompts to the worker that caches it.
-        name = _wait_any_busy(fault_cluster, sorted(_live(fault_cluster, "prefill")), "waiting")
+        name = _wait_busy(fault_cluster, sorted(_live(fault_cluster, "prefill")), "waiting")
         drained.append((name, fault_cluster.kill(name, signal.SIGTERM)))
     _run_phase(fault_cluster, workload, "drain-prefill", drain_a_busy_worker, n=24, interval=0.2)
     name, proc = drained[0]
