@@ -3,8 +3,12 @@ with prefix caching on every worker and KV-aware routing (the prompts repeat: re
 migrated and new requests hold cached prefixes while workers die, drain and join).
 
 Phases, in order, each with its own stream of streaming requests from the client namespace:
-kill -9 a decode worker mid-stream; kill -9 a prefill worker mid-transfer; add a decode worker;
+kill -9 a decode worker mid-stream; kill -9 a prefill worker mid-prefill; add a decode worker;
 drain a prefill worker (SIGTERM: it finishes in-flight work and exits 0); restart the router.
+The two prefill phases open with a long prompt no worker has cached (~1,400 tokens, its own text
+per phase), and the fault waits for the worker holding its blocks: that job lasts seconds, while
+the short prompts' prefixes are cached and their jobs last less than one probe of the cluster
+(~1 s), so waiting for one of those could miss it.
 Every other request samples with a seed, one in four is greedy under a JSON schema, the rest are
 greedy. Every request must complete with the reference engine's text for its parameters (a seeded
 request retried or migrated mid-stream resumes its draws where they were; a constrained one its
@@ -34,6 +38,17 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95}   # odd requests, seed 1000 + prom
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
           "required": ["answer", "confidence"], "additionalProperties": False}   # requests 2, 6, 10, ...
 REPORT: dict[str, dict] = {}
+LONG_PHASES = ("kill-prefill", "drain-prefill")   # each opens with its own uncached long prompt
+LONG_BLOCKS = 64   # a prefill worker holding this many blocks holds the long prompt (~88 blocks):
+                   # 8 short prompts in flight (<= 4 blocks each) hold at most 32
+
+
+def _long_question(tag: str) -> str:
+    """~1,400 tokens of numbered notes, unique to ``tag`` from its first line on (~4 s of
+    prefill on one core here)."""
+    notes = [f"Note {k} for the {tag} phase: shipment {k * 37 % 101} of {k * 13 % 29} crates left dock "
+             f"{k % 7} at {k % 24:02d}:{k * 11 % 60:02d}." for k in range(40)]
+    return "Summarise these shipping notes in one sentence.\n" + "\n".join(notes)
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +66,32 @@ def workload(smollm):
                                      for i in range(len(prompts))])
     grammar = json_schema_grammar(ANSWER, "guided_json")
     shaped = gen.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, grammar=grammar))
-    return prompts, [r.text for r in refs], [r.text for r in sampled], [r.text for r in shaped]
+    long = {tag: tk.encode(tk.apply_chat_template([{"role": "user", "content": _long_question(tag)}]))
+            for tag in LONG_PHASES}
+    assert all(len(ids) >= 16 * LONG_BLOCKS + 256 for ids in long.values()), [len(i) for i in long.values()]
+    long_refs = gen.generate(list(long.values()), SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return {"prompts": prompts, "greedy": [r.text for r in refs], "sampled": [r.text for r in sampled],
+            "shaped": [r.text for r in shaped],
+            "long": {tag: (ids, r.text) for (tag, ids), r in zip(long.items(), long_refs)}}
 
 
 def _requests(workload, n: int, tag: str) -> list[dict]:
-    prompts = workload[0]
+    """``n`` requests cycling over the short prompts (greedy, seeded, JSON-constrained), each with
+    the text it must produce; a phase in LONG_PHASES opens with its long prompt, greedy."""
+    prompts = workload["prompts"]
     out = []
     for i in range(n):
-        req = {"id": f"{tag}-{i}", "prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS}
+        k = i % len(prompts)
+        req = {"id": f"{tag}-{i}", "prompt": prompts[k], "max_tokens": MAX_TOKENS, "expected": workload["greedy"][k]}
         if i % 2:
-            req["sampling"] = {**SAMPLED, "seed": 1000 + i % len(prompts)}
+            req.update(sampling={**SAMPLED, "seed": 1000 + k}, expected=workload["sampled"][k])
         elif i % 4 == 2:
-            req["sampling"] = {"guided_json": ANSWER}
+            req.update(sampling={"guided_json": ANSWER}, expected=workload["shaped"][k])
         out.append(req)
+    if tag in workload["long"]:
+        ids, text = workload["long"][tag]
+        out[0] = {"id": f"{tag}-0", "prompt": ids, "max_tokens": MAX_TOKENS, "expected": text}
     return out
-
-
-def _expected(workload, i: int) -> str:
-    _, greedy, sampled, shaped = workload
-    return (sampled if i % 2 else shaped if i % 4 == 2 else greedy)[i % len(greedy)]
 
 
 def _metric(probe: dict, prefix: str) -> float:
@@ -78,15 +100,16 @@ def _metric(probe: dict, prefix: str) -> float:
 
 def _run_phase(cluster, workload, tag, fault, n=16, interval=0.35, allow_failures=False):
     before = cluster.probe()
-    proc, out = cluster.start_client(_requests(workload, n, tag), interval, tag)
+    requests = _requests(workload, n, tag)
+    proc, out = cluster.start_client(requests, interval, tag)
     fault()
     proc.wait(timeout=600)
     results = json.loads(out.read_text())
     after = cluster.probe() or before
     completed = failed = 0
-    for i, r in enumerate(results):
+    for req, r in zip(requests, results, strict=True):
         if r["error"] is None and r["status"] == 200:
-            assert r["text"] == _expected(workload, i), f"{tag}: request {r['id']} text differs from the reference"
+            assert r["text"] == req["expected"], f"{tag}: request {r['id']} text differs from the reference"
             completed += 1
         else:
             failed += 1
@@ -104,13 +127,16 @@ def _run_phase(cluster, workload, tag, fault, n=16, interval=0.35, allow_failure
 
 
 def _wait_busy(cluster, workers: list[str], key: str, timeout_s=60, at_least=1) -> str:
-    """The first of ``workers`` seen holding ``at_least`` requests counted by ``key``
-    ("running", "waiting") in the router's probe."""
+    """The first of ``workers`` seen with ``at_least`` of ``key`` in the probe: "running" or
+    "waiting" (requests), or "held_blocks" (KV blocks referenced: total less free)."""
     found: list[str] = []
+
+    def count(entry: dict) -> int:
+        return entry.get("total", 0) - entry.get("free", 0) if key == "held_blocks" else entry.get(key, 0)
 
     def busy():
         probed = cluster.probe().get("workers", {})
-        found[:] = [w for w in workers if probed.get(w, {}).get(key, 0) >= at_least]
+        found[:] = [w for w in workers if count(probed.get(w, {})) >= at_least]
         return bool(found)
     wait_for(busy, timeout_s, f"one of {workers} to have {key} >= {at_least}", interval_s=0.1)
     return found[0]
@@ -131,14 +157,13 @@ def test_kill_decode_mid_stream(fault_cluster, workload):
     assert REPORT["kill-decode"]["migrated"] + REPORT["kill-decode"]["retried"] >= 1
 
 
-def test_kill_prefill_mid_transfer(fault_cluster, workload):
-    # Whichever prefill worker is first seen holding a prompt: the router may keep a prefix's
-    # prompts on the worker that caches it. Dense traffic: the prompts' prefixes are cached, so
-    # a job lasts a fraction of a second and a probe takes about one; 16 requests 0.35 s apart
-    # once ended with no job seen (CI, 2026-11-25).
+def test_kill_prefill_mid_prefill(fault_cluster, workload):
+    # The prefill worker holding the phase's long prompt. Waiting for any job (a short prompt's)
+    # once saw none in 60 s (CI, 2026-11-25): see LONG_PHASES.
     _run_phase(fault_cluster, workload, "kill-prefill",
                lambda: fault_cluster.kill(_wait_busy(fault_cluster, sorted(_live(fault_cluster, "prefill")),
-                                                     "waiting")), n=40, interval=0.2)
+                                                     "held_blocks", at_least=LONG_BLOCKS)), n=24, interval=0.2)
+    assert REPORT["kill-prefill"]["retried"] >= 1, "the killed prefill worker held no request"
 
 
 def test_add_decode_worker_takes_traffic(fault_cluster, workload):
@@ -173,10 +198,11 @@ def test_drain_prefill_worker(fault_cluster, workload):
     drained: list = []
 
     def drain_a_busy_worker():
-        # Whichever prefill worker is first seen holding a prompt (its "waiting" counts every job
-        # it holds) is drained. Waiting for prefill-1 alone once saw none in 60 s (CI, 2026-11-24):
-        # the router may send a prefix's prompts to the worker that caches it.
-        name = _wait_busy(fault_cluster, sorted(_live(fault_cluster, "prefill")), "waiting")
+        # The prefill worker holding the phase's long prompt is drained mid-job. Waiting for
+        # prefill-1 alone once saw none in 60 s (CI, 2026-11-24): the router may send a prefix's
+        # prompts to the worker that caches it.
+        name = _wait_busy(fault_cluster, sorted(_live(fault_cluster, "prefill")), "held_blocks",
+                          at_least=LONG_BLOCKS)
         drained.append((name, fault_cluster.kill(name, signal.SIGTERM)))
     _run_phase(fault_cluster, workload, "drain-prefill", drain_a_busy_worker, n=24, interval=0.2)
     name, proc = drained[0]
