@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0: any free port)")
     u.add_argument("--registry-port", type=int, default=50050, help="router's worker registry port")
     u.add_argument("--transfer-engine", default="auto", choices=["auto", "tcp", "shm", "verbs"])
-    u.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks per worker")
+    u.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool blocks per worker (default: 1024 per prefill worker, 2048 per decode worker)")
     u.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     u.add_argument("--startup-timeout", type=float, default=180.0, help="seconds")
     u.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")

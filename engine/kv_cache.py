@@ -57,7 +57,10 @@ class BlockAllocator:
         self._cached: OrderedDict[int, bytes] = OrderedDict()   # unreferenced registered blocks (LRU)
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
-        self.stats = {"prefix_hit_blocks": 0, "prefix_lookup_blocks": 0, "cache_evictions": 0}
+        # peak_used_blocks: the most blocks referenced at once since start (the pool's high-water
+        # mark, for sizing it: cached but unreferenced blocks do not count)
+        self.stats = {"prefix_hit_blocks": 0, "prefix_lookup_blocks": 0, "cache_evictions": 0,
+                      "peak_used_blocks": 0}
         self._events: dict[bytes, bool] | None = None   # hash -> cached (True) / evicted (False)
         self._max_events = 0
         self._events_overflowed = False
@@ -106,7 +109,13 @@ class BlockAllocator:
                     blocks.append(b)
             for b in blocks:
                 self._refs[b] = 1
+            self._note_peak()
         return [BlockId(b) for b in blocks]
+
+    def _note_peak(self) -> None:   # with the lock held
+        used = self.num_blocks - len(self._free) - len(self._cached)
+        if used > self.stats["peak_used_blocks"]:
+            self.stats["peak_used_blocks"] = used
 
     def incref(self, blocks: Iterable[BlockId]) -> None:
         """Add a reference to each (already allocated) block."""
@@ -217,6 +226,7 @@ class BlockAllocator:
                 self._refs[b] += 1
                 out.append(BlockId(b))
             self.stats["prefix_hit_blocks"] += len(out)
+            self._note_peak()
         return out
 
 

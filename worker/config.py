@@ -15,6 +15,13 @@ from rpc.auth import DEV_SECRET, read_secret
 
 ROLES = ("prefill", "decode")
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
+# KV pool blocks per role when --num-blocks is not given. A decode worker holds every running
+# sequence's KV (2048 blocks: 32 sequences of 1,024 tokens). A prefill worker holds a prompt
+# from its pass until its KV is sent, plus the prefix cache: 1024 blocks fit two prompts of the
+# model's longest context (SmolLM2: 8,192 tokens = 512 blocks); 32 prompts in flight used at
+# most 51 here (docs/ARCHITECTURE.md, "KV pool layout"). Half the blocks is 0.75 GB less RSS in
+# float32.
+DEFAULT_NUM_BLOCKS = {"prefill": 1024, "decode": 2048}
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,9 @@ class WorkerConfig:
             of one cluster must agree (it is part of the compatibility hash).
         device: "cpu" or "cuda[:n]": where weights and the KV pool live. A CUDA pool is registered
             for GPUDirect RDMA and needs the verbs transfer engine.
-        num_blocks: KV pool blocks of ``block_size`` tokens.
+        num_blocks: KV pool blocks of ``block_size`` tokens; 0: the role's default,
+            `DEFAULT_NUM_BLOCKS` (a prefill worker holds only the prompts it computes or sends
+            and its prefix cache; docs/ARCHITECTURE.md "KV pool layout" has the measurement).
         block_size: tokens per KV block.
         max_num_seqs: decode: most sequences in the running batch (vLLM's default, 256);
             requests whose KV arrived beyond it wait, their blocks held, for a place.
@@ -75,7 +84,7 @@ class WorkerConfig:
     model: str | None = None
     weights: str = "fp32"
     device: str = "cpu"
-    num_blocks: int = 2048
+    num_blocks: int = 0
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -102,6 +111,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.num_blocks == 0:
+            object.__setattr__(self, "num_blocks", DEFAULT_NUM_BLOCKS[self.role])
         if self.transfer_engine not in TRANSFER_ENGINES:
             raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "warmup_chunk_tokens",

@@ -28,6 +28,20 @@ def test_allocate_free_refcounts():
     assert a.num_free == 4
 
 
+def test_peak_used_blocks_is_the_high_water_mark_of_referenced_blocks():
+    a = BlockAllocator(8)
+    first = a.allocate(3)
+    second = a.allocate(2)
+    a.free(first)
+    a.allocate(1)
+    assert a.stats["peak_used_blocks"] == 5
+    a.register(second[0], b"h0")
+    a.free(second)             # second[0] is cached, unreferenced: not used
+    assert a.lookup([b"h0"]) == [second[0]] and a.stats["peak_used_blocks"] == 5
+    a.allocate(6)              # 1 + 1 (the cache hit) + 6; evicts nothing (7 others are free)
+    assert a.stats["peak_used_blocks"] == 8
+
+
 def test_over_allocation_raises_and_takes_nothing():
     a = BlockAllocator(4)
     a.allocate(3)

@@ -7,7 +7,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from rpc import pdserve_pb2 as pb
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_NUM_BLOCKS, WorkerConfig
 from worker.convert import sampling_from_proto, sampling_to_proto
 
 pytestmark = pytest.mark.unit
@@ -18,10 +18,18 @@ def test_defaults_and_generated_worker_id():
     assert c.worker_id.startswith("decode-") and c.listen_port == 0 and c.host_for_peers == "127.0.0.1"
 
 
+def test_num_blocks_defaults_per_role():
+    """A prefill worker's pool holds what it computes and sends (half a decode worker's); 0 or
+    no flag picks the role's default, any other value is taken as given."""
+    assert WorkerConfig(role="prefill").num_blocks == DEFAULT_NUM_BLOCKS["prefill"] == 1024
+    assert WorkerConfig(role="decode", num_blocks=0).num_blocks == DEFAULT_NUM_BLOCKS["decode"] == 2048
+    assert WorkerConfig(role="prefill", num_blocks=4096).num_blocks == 4096
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"role": "router"}, "role"),
     ({"role": "decode", "transfer_engine": "udp"}, "transfer_engine"),
-    ({"role": "decode", "num_blocks": 0}, "num_blocks"),
+    ({"role": "decode", "num_blocks": -1}, "num_blocks"),
     ({"role": "decode", "listen": "nohost"}, "host:port"),
     ({"role": "decode", "secret": b"short"}, "secret"),
     ({"role": "decode", "quarantine_s": 10.0}, "quarantine_s"),
