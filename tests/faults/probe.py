@@ -32,7 +32,8 @@ def main() -> None:
             with grpc.insecure_channel(m["grpc_address"]) as ch:
                 stub = (pbg.PrefillStub if m["role"] == "prefill" else pbg.DecodeStub)(ch)
                 s = stub.Stats(pb.StatsRequest(), timeout=5, metadata=md)
-            entry.update(free=s.load.free_blocks, total=s.load.total_blocks, running=s.load.running,
+            entry.update(free=s.load.free_blocks, total=s.load.total_blocks,
+                         held_blocks=s.load.total_blocks - s.load.free_blocks, running=s.load.running,
                          waiting=s.load.waiting, counters=dict(s.counters))
         except grpc.RpcError as exc:
             entry["error"] = str(exc.code())

@@ -127,16 +127,13 @@ def _run_phase(cluster, workload, tag, fault, n=16, interval=0.35, allow_failure
 
 
 def _wait_busy(cluster, workers: list[str], key: str, timeout_s=60, at_least=1) -> str:
-    """The first of ``workers`` seen with ``at_least`` of ``key`` in the probe: "running" or
-    "waiting" (requests), or "held_blocks" (KV blocks referenced: total less free)."""
+    """The first of ``workers`` seen with ``at_least`` of ``key`` in the probe (`tests.faults.probe`):
+    "running" or "waiting" (requests), or "held_blocks" (KV blocks referenced)."""
     found: list[str] = []
-
-    def count(entry: dict) -> int:
-        return entry.get("total", 0) - entry.get("free", 0) if key == "held_blocks" else entry.get(key, 0)
 
     def busy():
         probed = cluster.probe().get("workers", {})
-        found[:] = [w for w in workers if count(probed.get(w, {})) >= at_least]
+        found[:] = [w for w in workers if probed.get(w, {}).get(key, 0) >= at_least]
         return bool(found)
     wait_for(busy, timeout_s, f"one of {workers} to have {key} >= {at_least}", interval_s=0.1)
     return found[0]

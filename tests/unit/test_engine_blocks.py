@@ -38,7 +38,7 @@ def test_peak_used_blocks_is_the_high_water_mark_of_referenced_blocks():
     a.register(second[0], b"h0")
     a.free(second)             # second[0] is cached, unreferenced: not used
     assert a.lookup([b"h0"]) == [second[0]] and a.stats["peak_used_blocks"] == 5
-    a.allocate(6)              # 1 + 1 (the cache hit) + 6; evicts nothing (7 others are free)
+    a.allocate(6)              # 1 + 1 (the cache hit) + 6: the whole pool, nothing evicted
     assert a.stats["peak_used_blocks"] == 8
 
 
