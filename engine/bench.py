@@ -87,9 +87,13 @@ def bench_decode_hf(hf, batch: int, prompt_len: int, steps: int) -> float:
 
 def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int = 50) -> list[dict]:
     """Layer 0's projections (wqkv, wo, gate/up, down) of the native weights, microseconds per set
-    at each row count: the int4 kernel, the dense copy native mode falls back to, and float32
-    (fp32 mode's path), all through ``backend``. Where int4 stops winning is ``max_int4_rows``."""
+    at each row count: the int4 kernel, the dense copy native mode falls back to, float32
+    (fp32 mode's path), all through ``backend``; and the W8A8 path measured but not taken
+    (`engine.mlas.RowInt8MatMul`): its integer GEMM alone on already quantized rows
+    (``int8_gemm_us``) and with the per-row quantization and the scaling back (``w8a8_us``).
+    Where int4 stops winning is ``max_int4_rows``."""
     from engine.linear import Linear
+    from engine.mlas import RowInt8MatMul
     from engine.quant import Int4Linear
     from engine.weights import load_weights
 
@@ -98,6 +102,7 @@ def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int 
     quantized = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
     native = [Int4Linear(w, max_int4_rows=0, dense_backend=backend) for w in quantized]
     fp32 = [Linear(w.dequantize(), backend) for w in quantized]
+    w8a8 = [RowInt8MatMul(w.dequantize()) for w in quantized]
     out = []
     for m in rows:
         xs = [torch.randn(m, w.shape[1]) for w in quantized]
@@ -109,7 +114,11 @@ def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int 
             xs[i].bfloat16(), native[i]._packed, 32, native[i]._scale_zero))
         dense = run(lambda i: native[i](xs[i]))   # max_int4_rows=0: always the dense copy
         f32 = run(lambda i: fp32[i](xs[i]))
-        out.append({"rows": m, "int4_us": int4, "dense_us": dense, "fp32_us": f32})
+        codes = [RowInt8MatMul.quantize(x)[0] for x in xs]
+        gemm = run(lambda i: w8a8[i].gemm(codes[i]))
+        full = run(lambda i: w8a8[i](xs[i]))
+        out.append({"rows": m, "int4_us": int4, "dense_us": dense, "fp32_us": f32,
+                    "int8_gemm_us": gemm, "w8a8_us": full})
     return out
 
 
@@ -133,7 +142,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
     ap.add_argument("--weights", default="fp32", help="comma-separated --weights modes (fp32, bf16, native)")
     ap.add_argument("--linears", action="store_true",
-                    help="also time one layer's projections per row count: int4 kernel vs dense copies")
+                    help="also time one layer's projections per row count: int4 kernel, dense copies, W8A8")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.weights.split(",") if m.strip()]
@@ -178,9 +187,11 @@ def main(argv=None) -> dict:
                             reps=10 if args.quick else 50)
         dense = str(dense_dtype()).removeprefix("torch.")
         print(f"\none layer's projections, microseconds per call (dense copy: {dense})")
-        print(f"{'rows':>5} {'int4':>9} {'dense':>9} {'fp32':>9}")
+        print(f"{'rows':>5} {'int4':>9} {'dense':>9} {'fp32':>9} {'int8 gemm':>10} {'w8a8':>9}")
         for r in lin:
-            print(f"{r['rows']:>5} {r['int4_us']:>9.0f} {r['dense_us']:>9.0f} {r['fp32_us']:>9.0f}")
+            print(f"{r['rows']:>5} {r['int4_us']:>9.0f} {r['dense_us']:>9.0f} {r['fp32_us']:>9.0f} "
+                  f"{r['int8_gemm_us']:>10.0f} {r['w8a8_us']:>9.0f}")
+        print("(int8 gemm: W8A8's integer product alone; w8a8: with per-row quantization and scaling back)")
         result["linears"] = lin
     if args.json:
         with open(args.json, "w") as f:

@@ -24,6 +24,13 @@ shapes, call overhead included:
   644 us), so the head keeps a dense copy for those.
 Not compared on an AVX2-only CPU here.
 
+`RowInt8MatMul` is the other int8 path measured here and not taken: int8 activations with one
+scale per row against int8 weights with one scale per output channel (vLLM's CPU W8A8
+scheme), the integer product on onnxruntime's ``MatMulInteger`` (MLAS QGEMM). Its GEMM alone is
+2.2-2.3x a bfloat16 oneDNN matmul at 32 rows, but quantizing the activations and scaling the
+int32 result back are separate eager ops that cost more than that gain (`engine.bench
+--linears`; docs/ARCHITECTURE.md, weights modes).
+
 The activations' int8 rounding makes results differ from a float matmul by about 0.5% of the
 output's scale (`tests/unit/test_engine_mlas.py` bounds it; llama.cpp's own error is of the
 same kind).
@@ -139,3 +146,57 @@ def q8_codes(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     d = blocks.abs().amax(dim=-1) / 127.0
     q = torch.round(blocks / torch.where(d > 0, d, 1.0)[..., None]).clamp_(-127, 127)
     return (q.to(torch.int16) + 128).to(torch.uint8).reshape(n, k).numpy(), d.numpy()
+
+
+class RowInt8MatMul:
+    """``y ~= x @ W.T`` with int8 activations, one scale per row, and int8 weights, one scale per
+    output channel (symmetric: ``x ~= s_row * qx``, ``W ~= qw * s_col``), the integer product on
+    onnxruntime's ``MatMulInteger`` (ONNX operator; uint8 ``A`` with zero point 128 against int8
+    ``B``; its ``A`` zero point can only be one scalar, so rows are scaled symmetrically).
+    A row's result depends on that row alone (no batch-wide scale). Measured, not used by the
+    engine (module docstring).
+
+    Args:
+        weight: ``[N, K]`` float.
+        threads: intra-op threads (`session_options`).
+    Call with ``x``: ``[M, K]`` float; returns ``[M, N]`` float32. `quantize` and `gemm` are the
+    two halves, for timing the integer product alone.
+    Raises:
+        KernelUnavailable: onnxruntime missing.
+    """
+
+    def __init__(self, weight: torch.Tensor, threads: int = 1):
+        _, ort = _onnx()
+        from onnx import TensorProto, helper, numpy_helper
+
+        w = weight.detach().float()
+        self.out_features, self.in_features = n, k = w.shape
+        self.col_scale = (w.abs().amax(1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        qw = torch.round(w / self.col_scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        inits = [numpy_helper.from_array(qw.t().contiguous().numpy(), "B"),
+                 numpy_helper.from_array(np.array(128, dtype=np.uint8), "AZ")]
+        node = helper.make_node("MatMulInteger", ["A", "B", "AZ"], ["Y"])
+        graph = helper.make_graph([node], "row_int8_matmul",
+                                  [helper.make_tensor_value_info("A", TensorProto.UINT8, [None, k])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.INT32, [None, n])], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        try:
+            self._session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                                 providers=["CPUExecutionProvider"])
+        except Exception as e:   # onnxruntime raises its own exception types
+            raise KernelUnavailable(f"onnxruntime cannot run MatMulInteger here: {e}") from e
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """``(codes [M, K] uint8 = round(x / s) + 128, s [M, 1] float32 = max|x_row| / 127)``."""
+        x = x.detach().float()
+        s = (x.abs().amax(1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        return (torch.round(x / s) + 128).to(torch.uint8).numpy(), s
+
+    def gemm(self, codes: np.ndarray) -> np.ndarray:
+        """The integer product alone: ``[M, K]`` uint8 codes -> ``[M, N]`` int32."""
+        return self._session.run(["Y"], {"A": codes})[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        codes, s = self.quantize(x)
+        return torch.from_numpy(self.gemm(codes)).float() * s * self.col_scale

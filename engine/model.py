@@ -38,7 +38,7 @@ class LlamaModel:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
                 many tokens per forward pass, their dequantized copy above it. None: measured on
-                this CPU at load (`engine.quant.measure_max_low_bit_rows`).
+                this CPU at load, over every layer's projections (`engine.quant.measure_max_low_bit_rows`).
             max_int8_head_rows: with 4-bit projections, the LM head runs the file's Q8_0 blocks
                 (int8 activations, `engine.mlas`) for at most this many logits rows, a dense
                 copy above it (`engine.quant.HeadLinear`). None: measured at load, as
@@ -156,8 +156,9 @@ class LlamaModel:
 
     def _choose_low_bit_rows(self, int4_rows: int | None, head_rows: int | None) -> None:
         """Set the row thresholds of the int4 projections and the int8 head, measuring those
-        left None on layer 0's projections and on the head (`measure_max_low_bit_rows`)."""
-        int4 = [p for p in vars(self._layers[0]).values() if isinstance(p, Int4Linear)]
+        left None on every layer's projections in forward order (their weights out of cache, as
+        a step meets them) and on the head (`measure_max_low_bit_rows`)."""
+        int4 = [p for lin in self._layers for p in vars(lin).values() if isinstance(p, Int4Linear)]
         how = "measured" if int4_rows is None or head_rows is None else "given"
         if int4_rows is None:
             int4_rows = measure_max_low_bit_rows(int4) if int4 else 0

@@ -305,17 +305,24 @@ def measure_max_low_bit_rows(linears: list, candidates: tuple[int, ...] = ROW_CA
     """The most input rows for which the low-bit kernel beats the dense copy, timed on this CPU.
 
     Whether int4/int8 weight-only kernels (matrix-vector products, reading fewer bytes) beat a
-    blocked bfloat16/float32 matmul, and up to how many rows, depends on the CPU: on an AVX-512
-    machine with AVX512-BF16 (AMD EPYC, this project's) torch's int4 kernel won only at one row
-    (214 vs 236 us for one layer's projections) and lost 1.7x at 8; on an earlier AVX-512 machine
-    without it, it won up to 4. So the threshold is measured at load: for each candidate row count
-    in ascending order, the median of ``reps`` runs of every linear through ``low_bit`` and
-    through ``dense``; the answer is the last count before the first one where ``low_bit`` is not
-    faster (0: never). Cost: a few tens of milliseconds.
+    blocked bfloat16/float32 matmul, and up to how many rows, depends on the CPU, so the threshold
+    is measured at load: for each candidate row count in ascending order, the median of ``reps``
+    runs of every linear through ``low_bit`` and through ``dense``; the answer is the last count
+    before the first one where ``low_bit`` is not faster (0: never).
+
+    Time what a forward pass runs: every layer's projections in turn, whose weights are out of
+    cache when each is met (the dense bfloat16 copies of SmolLM2-135M are 4x the int4 bytes and
+    ~7x the L3 cache). Timed on one layer alone, its weights stay cached across the repetitions
+    and the dense copy looks better than it is: on this project's AMD EPYC (AVX512-BF16, one
+    thread) layer 0 alone chose 1 row in 11 of 12 tries (2 in the other), at a margin of ~10%
+    (214 against 236 us at one row), though the whole step's projections take 7.1-7.3 ms through
+    the int4 kernel against 16.1-17.6 through the dense copies at one row, 12.0 against 16.0 at
+    four and 22.3 against 20.4 at eight; timed over all 120 they give 4 rows, 12 of 12 tries.
+    Cost: ~0.7 s at load for SmolLM2-135M.
 
     Args:
         linears: `Int4Linear` or `HeadLinear` objects (anything with ``in_features``,
-            ``low_bit(x)`` and ``dense(x)``), timed together.
+            ``low_bit(x)`` and ``dense(x)``), timed together, in the order a forward pass runs them.
         candidates: ascending row counts to try.
     Returns:
         A row count from ``candidates``, or 0.

@@ -82,3 +82,25 @@ def test_sessions_run_on_the_calling_thread_and_never_spin():
     # codes at the zero point: zero, up to the float rounding of the zero point's correction
     torch.testing.assert_close(mm(torch.randn(2, 64)), torch.zeros(2, 64), atol=1e-3, rtol=0)
     assert len(os.listdir("/proc/self/task")) == before   # no thread pool started
+
+
+def test_row_int8_matmul_is_within_rounding_and_rows_do_not_share_a_scale():
+    """`RowInt8MatMul` (W8A8, per-row activations, per-channel weights): within int8 rounding of
+    the float product, and a row with a 1000x outlier beside it leaves a row's result as it was
+    alone (a batch-wide activation scale would not)."""
+    from engine.mlas import RowInt8MatMul
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 64) * 0.05
+    mm = RowInt8MatMul(w)
+    x = torch.randn(5, 64)
+    y = mm(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 96)
+    ref = x.double() @ w.double().T
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert 0 < err < 2e-2
+    loud = torch.cat([x[:1], 1000 * torch.randn(1, 64)])
+    assert torch.equal(mm(loud)[0], mm(x[:1])[0])
+    codes, s = mm.quantize(x)
+    assert codes.dtype == np.uint8 and s.shape == (5, 1)
+    assert torch.equal(torch.from_numpy(mm.gemm(codes)).float() * s * mm.col_scale, y)   # the two halves

@@ -269,3 +269,24 @@ def test_measured_thresholds_apply_to_every_projection():
         x = torch.randn(n, wo.in_features)
         want = wo.low_bit(x) if n <= rows else wo.dense(x)
         assert torch.equal(wo(x), want.to(x.dtype))
+
+
+def test_threshold_is_timed_over_every_layers_projections_in_forward_order(monkeypatch):
+    """`max_int4_rows` is timed on the projections a step runs, all of them in turn (their
+    weights out of cache), not on one layer kept hot by the repetitions: layer 0 alone made the
+    bfloat16 copies look faster than they are (engine.quant.measure_max_low_bit_rows)."""
+    import engine.model
+    from engine.loader import load_model
+
+    timed = []
+
+    def fake_measure(linears, candidates=(1, 2, 4, 8), reps=5):   # records what would be timed
+        timed.append(list(linears))
+        return 2 if isinstance(linears[0], Int4Linear) else 4
+
+    monkeypatch.setattr(engine.model, "measure_max_low_bit_rows", fake_measure)
+    m = load_model(weights="native").model
+    forward_order = [p for lin in m._layers for p in (lin.wqkv, lin.wo, lin.w_gate_up, lin.w_down)]
+    assert len(timed) == 1 and timed[0] == forward_order     # the head's threshold is given (4)
+    assert len(forward_order) == 4 * m.config.num_layers
+    assert m.max_int4_rows == 2 and {p.max_int4_rows for p in forward_order} == {2}
