@@ -78,6 +78,26 @@ def session_options(threads: int = 1):
     return so
 
 
+def _matmul_session(node, inits: list, a: tuple[int, int], y: tuple[int, int], threads: int):
+    """An onnxruntime session running the one matmul ``node`` (weights in ``inits``) from input
+    ``A`` ``[M, a[1]]`` of ONNX element type ``a[0]`` to output ``Y`` ``[M, y[1]]`` of type ``y[0]``.
+    Raises:
+        KernelUnavailable: onnxruntime cannot build or run it here."""
+    _, ort = _onnx()
+    from onnx import helper
+
+    graph = helper.make_graph([node], node.op_type,
+                              [helper.make_tensor_value_info("A", a[0], [None, a[1]])],
+                              [helper.make_tensor_value_info("Y", y[0], [None, y[1]])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    try:
+        return ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                    providers=["CPUExecutionProvider"])
+    except Exception as e:   # onnxruntime raises its own exception types
+        raise KernelUnavailable(f"onnxruntime cannot run {node.op_type} here: {e}") from e
+
+
 class NBitsMatMul:
     """``y = x @ W.T`` for block-quantized ``W`` through MatMulNBits (see module docstring).
 
@@ -94,7 +114,7 @@ class NBitsMatMul:
     """
 
     def __init__(self, codes, scale, bits: int, threads: int = 1):
-        _, ort = _onnx()
+        _onnx()   # KernelUnavailable before the onnx imports below
         from onnx import TensorProto, helper, numpy_helper
 
         codes = np.asarray(codes, dtype=np.uint8)
@@ -114,16 +134,7 @@ class NBitsMatMul:
         inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scale.reshape(-1), "S")]
         node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n,
                                 bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_INT8)
-        graph = helper.make_graph([node], "nbits_matmul",
-                                  [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, k])],
-                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, n])], inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                        helper.make_opsetid("com.microsoft", 1)])
-        try:
-            self._session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
-                                                 providers=["CPUExecutionProvider"])
-        except Exception as e:   # onnxruntime raises its own exception types
-            raise KernelUnavailable(f"onnxruntime cannot run MatMulNBits here: {e}") from e
+        self._session = _matmul_session(node, inits, (TensorProto.FLOAT, k), (TensorProto.FLOAT, n), threads)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         a = x.detach().to(torch.float32).contiguous().numpy()
@@ -166,7 +177,7 @@ class RowInt8MatMul:
     """
 
     def __init__(self, weight: torch.Tensor, threads: int = 1):
-        _, ort = _onnx()
+        _onnx()   # KernelUnavailable before the onnx imports below
         from onnx import TensorProto, helper, numpy_helper
 
         w = weight.detach().float()
@@ -176,15 +187,7 @@ class RowInt8MatMul:
         inits = [numpy_helper.from_array(qw.t().contiguous().numpy(), "B"),
                  numpy_helper.from_array(np.array(128, dtype=np.uint8), "AZ")]
         node = helper.make_node("MatMulInteger", ["A", "B", "AZ"], ["Y"])
-        graph = helper.make_graph([node], "row_int8_matmul",
-                                  [helper.make_tensor_value_info("A", TensorProto.UINT8, [None, k])],
-                                  [helper.make_tensor_value_info("Y", TensorProto.INT32, [None, n])], inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        try:
-            self._session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
-                                                 providers=["CPUExecutionProvider"])
-        except Exception as e:   # onnxruntime raises its own exception types
-            raise KernelUnavailable(f"onnxruntime cannot run MatMulInteger here: {e}") from e
+        self._session = _matmul_session(node, inits, (TensorProto.UINT8, k), (TensorProto.INT32, n), threads)
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:

@@ -164,10 +164,8 @@ class LlamaModel:
             int4_rows = measure_max_low_bit_rows(int4) if int4 else 0
         if head_rows is None:
             head_rows = measure_max_low_bit_rows([self._lm_head], candidates=(1, 2, 4), reps=3)
-        for lin in self._layers:
-            for p in vars(lin).values():
-                if isinstance(p, Int4Linear):
-                    p.set_max_rows(int4_rows)
+        for p in int4:
+            p.set_max_rows(int4_rows)
         self._lm_head.set_max_rows(head_rows)
         self.max_int4_rows, self.max_int8_head_rows = int4_rows, head_rows
         log.info("native weights: int4 kernel up to %d rows, int8 head up to %d rows (%s)",
