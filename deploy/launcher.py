@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -141,7 +142,28 @@ class Child:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on ``host`` (the kernel's choice; racy by nature)."""
+    """A port free right now on ``host``, for a process started next to bind (racy by nature).
+
+    Picked at random below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``), so
+    no port-0 listener or outgoing connection of another process can take it before that
+    process binds: a kernel-chosen port could (a CI run lost a worker's gRPC port to one,
+    "Failed to bind"). Only another explicit pick can still collide. Falls back to the
+    kernel's choice when no port below the range is free.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768   # Linux's default
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(10000, max(ephemeral_low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

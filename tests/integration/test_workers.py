@@ -7,7 +7,6 @@ Stats. Greedy output must equal the single-process engine's; every block returns
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import time
 import grpc
 import pytest
 
+from deploy.launcher import free_port
 from engine.config import CacheConfig
 from engine.loader import build_generator
 from engine.sampling import SamplingParams
@@ -26,12 +26,6 @@ from worker.convert import sampling_to_proto
 
 pytestmark = pytest.mark.integration
 ADDRESSES: dict[str, str] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(role: str, *flags: str) -> tuple[subprocess.Popen, str]:
