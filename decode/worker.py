@@ -46,7 +46,7 @@ from decode.state import (DecodeArrivals, DecodeLoad, QueueSink, Reservation, Re
                           Sink)   # QueueSink, Sink: re-exported
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
-from engine.generator import Generator, StepOutput, validate_request
+from engine.generator import Generator, StepOutput
 from engine.grammar import Grammars, matcher_for
 from engine.kv_cache import block_hashes, blocks_needed
 from engine.sampling import SamplingParams
@@ -177,7 +177,7 @@ class DecodeWorker:
                                       f"got {firsts[:20]}")
         if not 0 <= num_writes <= MAX_WRITES_PER_REQUEST:
             raise InvalidRequestError(f"num_writes {num_writes} out of range")
-        validate_request(prompt_token_ids, params, self._model.max_position, vocab)
+        self.gen.runner.validate(prompt_token_ids, params)
         for t in firsts:   # compiles the grammar now (cached), so joining the batch later cannot fail
             matcher_for(self.gen.grammars, params, prompt_token_ids, [t] if t not in params.stop_token_ids else [])
         with self._state:
@@ -209,7 +209,7 @@ class DecodeWorker:
         + max_tokens larger than the pool), DrainingError.
         """
         check_request_id(request_id)
-        validate_request(prompt_token_ids, params, self._model.max_position, self._model.vocab_size)
+        self.gen.runner.validate(prompt_token_ids, params)
         with self._lock, self._state:
             if self._draining:
                 raise DrainingError("decode worker is draining")

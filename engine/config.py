@@ -52,6 +52,8 @@ class ModelConfig:
         rms_norm_eps: RMSNorm epsilon.
         max_position: context length the model was trained for, in tokens.
         tie_word_embeddings: the LM head reuses the token embedding.
+        architecture: the family that runs it (`engine.models.registry`): a Hugging Face
+            ``model_type`` or a GGUF ``general.architecture``.
     """
 
     name: str
@@ -66,6 +68,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position: int
     tie_word_embeddings: bool
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",

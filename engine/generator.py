@@ -27,16 +27,16 @@ from typing import Iterable, Sequence as Seq
 
 import torch
 
-from engine.attention import ForwardBatch, SeqChunk
+from engine.attention import SeqChunk
 from engine.config import SchedulerConfig
-from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError
 from engine.grammar import Grammars, matcher_for
 from engine.ids import BlockId, RequestId
-from engine.kv_cache import KVPool, block_hashes, blocks_needed
-from engine.model import LlamaModel
-from engine.sampling import (SamplingError, SamplingParams, TokenLogprobs, child_params, compute_logprobs,
-                             prompt_logprobs_of, sample)
-from engine.scheduling import PassBudget, RateMeter, by_response_ratio
+from engine.kv_cache import KVPool, blocks_needed
+from engine.models.base import CausalLM, check_pool
+from engine.runner import ModelRunner
+from engine.sampling import SamplingError, SamplingParams, TokenLogprobs, child_params
+from engine.scheduling import PassBudget, RateMeter, by_response_ratio, fill_pass
 from engine.sequence import FinishReason, Sequence, SeqStatus
 
 
@@ -82,47 +82,25 @@ class GenerationResult:
     finish_reason: FinishReason
 
 
-def validate_request(prompt_token_ids: Seq[int], params: SamplingParams, max_position: int,
-                     vocab_size: int) -> None:
-    """Raise `InvalidRequestError` / `ContextLengthError` for a request that cannot run."""
-    if len(prompt_token_ids) == 0:
-        raise InvalidRequestError("the prompt is empty")
-    if len(prompt_token_ids) >= max_position:
-        raise ContextLengthError(
-            f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
-            f"{max_position} tokens")
-    if len(prompt_token_ids) + params.max_tokens > max_position:
-        raise ContextLengthError(
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"this model's context of {max_position} tokens")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(f"token ids out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
-    bad = [t for t in params.token_ids_in_use() if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(f"stop_token_ids / logit_bias name ids outside the vocabulary "
-                                  f"[0, {vocab_size}): {bad[:5]}")
-    if params.num_resumed >= len(prompt_token_ids):
-        raise InvalidRequestError(f"num_resumed ({params.num_resumed}) must be below the prompt's "
-                                  f"{len(prompt_token_ids)} tokens")
-
-
 class Generator:
     """Continuous-batching generator over one model and one KV pool.
 
     Args:
-        model: the `LlamaModel`.
-        pool: the `KVPool` (its allocator is owned by this generator).
+        model: the `CausalLM`.
+        pool: the `KVPool` (its allocator is shared with the caller: the decode worker reserves
+            blocks from it; the generator frees the blocks of the sequences it holds).
         tokenizer: optional `engine.tokenizer.Tokenizer`; with it, outputs carry text and stop
             strings are honoured, and the template's stop ids end generation.
         grammars: the `engine.grammar.Grammars` for requests with a grammar (default: one for
             ``tokenizer`` when given; without either, such requests are refused).
     """
 
-    def __init__(self, model: LlamaModel, pool: KVPool, tokenizer=None,
+    def __init__(self, model: CausalLM, pool: KVPool, tokenizer=None,
                  scheduler: SchedulerConfig = SchedulerConfig(), grammars: Grammars | None = None):
+        check_pool(model, pool)
         self.model = model
         self.pool = pool
+        self.runner = ModelRunner(model, pool, scheduler.prefix_caching)
         self.tokenizer = tokenizer
         self.config = scheduler
         self.waiting: deque[Sequence] = deque()
@@ -227,8 +205,7 @@ class Generator:
         rid = RequestId(request_id)
         if rid in self._by_id:
             raise ValueError(f"request {rid!r} is already in flight")
-        c = self.model.config
-        validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
+        self.runner.validate(prompt_token_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
         seq = Sequence(rid, list(prompt_token_ids), params, stop_ids, generator=params.make_generator())
         seq.matcher = matcher_for(self.grammars, params, prompt_token_ids)
@@ -285,102 +262,52 @@ class Generator:
         return started + fresh
 
     def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, SeqChunk]]:
-        scheduled: list[tuple[Sequence, SeqChunk]] = []
         if budget <= 0 or not self.waiting:
-            return scheduled
-        knee = self.config.prefill_batch_tokens
-        pass_budget = PassBudget(budget, knee) if knee else None
-        for seq in self._prefill_order():
-            if len(self.running) + len(scheduled) >= self.config.max_num_seqs:
-                break
+            return []
+        runner = self.runner
+        picked: list[Sequence] = []
+
+        def admit(seq: Sequence, take: int) -> bool:
+            if len(self.running) + len(picked) >= self.config.max_num_seqs:
+                return False
+            if seq.num_computed == 0 and not seq.block_table:
+                runner.take_cached_prefix(seq)
+            end = min(seq.num_computed + take, seq.num_tokens)
+            if not runner.grow(seq, end + (1 if end == seq.num_tokens else 0)):   # + the next token's slot
+                return False
+            picked.append(seq)
+            return True
+
+        passes = fill_pass(self._prefill_order(), PassBudget(budget, self.config.prefill_batch_tokens),
+                           runner.tokens_to_compute, admit)
+        scheduled = []
+        for seq, take in passes:
             tokens = seq.all_token_ids
-            if self.config.prefix_caching and seq.num_computed == 0 and not seq.block_table:
-                self._reuse_prefix(seq, tokens)
-            if pass_budget is None:   # fill the step's budget, the last prompt chunked
-                take = min(len(tokens) - seq.num_computed, budget)
-                budget -= take
-            else:
-                take = pass_budget.take(len(tokens) - seq.num_computed)
-            if take == 0:
-                break   # the pass is full: nobody behind overtakes this one
-            end = seq.num_computed + take
-            if not self._grow(seq, end + (1 if end == len(tokens) else 0)):
-                break
-            done = end == len(tokens)
+            end = min(seq.num_computed + take, len(tokens))
             want_prompt = seq.params.prompt_logprobs is not None and not seq.output_token_ids
             if want_prompt and seq.num_computed == 0:
                 seq.prompt_logprobs = []
-            scheduled.append((seq, SeqChunk(tokens[seq.num_computed:end], seq.num_computed,
-                                            seq.block_table, need_logits=done, prompt_logits=want_prompt)))
-            if not done or budget <= 0 or (pass_budget is not None and pass_budget.full):
-                break  # a chunked prompt takes the rest of this step's budget
+            scheduled.append((seq, SeqChunk(tokens[seq.num_computed:end], seq.num_computed, seq.block_table,
+                                            need_logits=end == len(tokens), prompt_logits=want_prompt)))
         return scheduled
-
-    def _reuse_prefix(self, seq: Sequence, tokens: list[int]) -> None:
-        """Take the cached blocks of ``tokens``' longest cached prefix (at least one token is
-        left to compute: its logits pick the next token). Prompt logprobs need every position's
-        logits: such a sequence computes everything."""
-        if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
-            return
-        seq.block_hashes = block_hashes(tokens[:len(tokens) - 1], self.pool.block_size)
-        hit = self.pool.allocator.lookup(seq.block_hashes)
-        seq.block_table = list(hit)
-        seq.num_computed = len(hit) * self.pool.block_size
-        seq.num_registered = len(hit)
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` whose positions are all computed (their K/V final)."""
-        bs = self.pool.block_size
-        full = min(seq.num_computed // bs, len(seq.block_table))
-        if full <= seq.num_registered:
-            return
-        if len(seq.block_hashes) < full:
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
-            seq.block_hashes += block_hashes(seq.all_token_ids[:full * bs], bs, start=len(seq.block_hashes),
-                                             parent=parent)
-        for i in range(seq.num_registered, full):
-            self.pool.allocator.register(seq.block_table[i], seq.block_hashes[i])
-        seq.num_registered = full
 
     def _schedule_decode(self) -> list[tuple[Sequence, SeqChunk]]:
         for seq in list(self.running):
-            while seq.status == SeqStatus.RUNNING and not self._grow(seq, seq.num_tokens):
+            while seq.status == SeqStatus.RUNNING and not self.runner.grow(seq, seq.num_tokens):
                 self._preempt(self.running[-1])
         return [(s, SeqChunk([s.all_token_ids[-1]], s.num_tokens - 1, s.block_table))
                 for s in self.running]
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        extra = blocks_needed(num_tokens, self.pool.block_size) - len(seq.block_table)
-        if extra <= 0:
-            return True
-        blocks = self.pool.allocator.try_allocate(extra)
-        if blocks is None:
-            return False
-        seq.block_table.extend(blocks)
-        return True
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_registered = 0
-        seq.num_computed = 0
+        self.runner.reset(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
     def _run(self, scheduled: list[tuple[Sequence, SeqChunk]]) -> list[StepOutput]:
-        batch = ForwardBatch.build([c for _, c in scheduled], self.pool.block_size)
-        logits = self.model.forward(batch, self.pool)
-        for (seq, chunk), (first, rows) in zip(scheduled, batch.logits_spans):
-            if chunk.prompt_logits:
-                seq.prompt_logprobs += prompt_logprobs_of(logits[first:first + rows], seq.prompt_token_ids,
-                                                          chunk.start, seq.params.prompt_logprobs)
-        logits = batch.sampling_logits(logits)
+        logits = self.runner.execute(scheduled)
         for seq, chunk in scheduled:
-            seq.num_computed += len(chunk.token_ids)
-            if self.config.prefix_caching:
-                self._register_full_blocks(seq)
+            self.runner.advance(seq, len(chunk.token_ids))
         outputs = []
         sampled_seqs, rows = [], []
         for row, seq in enumerate(s for s, c in scheduled if c.need_logits):
@@ -399,11 +326,7 @@ class Generator:
                     self.waiting.append(child)
             sampled_seqs += family
             rows += [row] * len(family)
-        if len(rows) != logits.shape[0]:
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        tokens = sample(logits, sampled_seqs)
-        logprobs = compute_logprobs(logits, sampled_seqs, tokens)
-        for seq, token, lp in zip(sampled_seqs, tokens, logprobs):
+        for seq, (token, lp) in zip(sampled_seqs, self.runner.sample(logits, sampled_seqs, rows)):
             if isinstance(token, SamplingError):   # this sequence fails alone
                 seq.finish(FinishReason.ERROR)
                 outputs.append(self._retire(seq, [], ""))
@@ -451,8 +374,7 @@ class Generator:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.allocator.free(seq.block_table)
-        seq.block_table = []
+        self.runner.release(seq)
         seq.text += delta
         del self._by_id[seq.request_id]
         family = self._families.get(seq.request, [])

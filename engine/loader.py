@@ -12,7 +12,8 @@ import torch
 from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, kv_cache_dtype, weights_dtype
 from engine.generator import Generator
 from engine.kv_cache import KVPool
-from engine.model import LlamaModel
+from engine.models.base import CausalLM
+from engine.models.registry import model_class
 from engine.tokenizer import Tokenizer
 from engine.modelfile import resolve_model_path
 from engine.weights import load_weights
@@ -25,7 +26,7 @@ class LoadedModel:
 
     path: Path
     config: ModelConfig
-    model: LlamaModel
+    model: CausalLM
     tokenizer: Tokenizer
     weights: str = "fp32"
 
@@ -87,7 +88,7 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     config, loaded = load_weights(path, DTYPES[dtype], native=native)
     if dev.type != "cpu":
         loaded = _to_device(loaded, dev)
-    model = LlamaModel(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)], gemv_copies=gemv_copies)
+    model = model_class(config.architecture)(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)], gemv_copies=gemv_copies)
     del loaded
     release_freed_memory()
     return LoadedModel(path, config, model, Tokenizer.from_file(path), weights)

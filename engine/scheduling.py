@@ -23,9 +23,10 @@ its last chunk, and every prompt of a pass finishes when the pass does. Two rule
    token budgets of 512-2048), so the default there is ``max_num_batched_tokens``: one pass as
    before.
 
-`PassBudget` and `by_response_ratio` are pure; `prefill.worker.PrefillWorker._schedule` applies
-them, and so does `engine.generator.Generator` to the prompts of colocated and auto modes, where a
-pass also carries the running sequences' decode rows.
+`PassBudget`, `by_response_ratio` and `fill_pass` are pure; the prefill worker
+(`prefill.worker.PrefillWorker`) and the generator (`engine.generator.Generator`, the prompts of
+colocated and auto modes, where a pass also carries the running sequences' decode rows) both
+choose their passes' prompts with `fill_pass`.
 """
 
 from __future__ import annotations
@@ -68,15 +69,17 @@ class PassBudget:
 
     The first prompt takes up to ``max_tokens`` (a longer one is chunked); a later prompt joins
     only whole, and only while the pass then holds at most ``batch_tokens``; the first that does
-    not fit closes the pass (nobody behind it overtakes it). Raises ValueError unless
-    ``1 <= batch_tokens`` and ``1 <= max_tokens``.
+    not fit closes the pass (nobody behind it overtakes it). With ``batch_tokens`` None the pass
+    is filled instead: every prompt takes what is left of ``max_tokens``, the last one chunked.
+    Raises ValueError unless ``1 <= batch_tokens`` (or None) and ``1 <= max_tokens``.
     """
 
-    def __init__(self, max_tokens: int, batch_tokens: int):
-        if max_tokens < 1 or batch_tokens < 1:
+    def __init__(self, max_tokens: int, batch_tokens: int | None):
+        if max_tokens < 1 or (batch_tokens is not None and batch_tokens < 1):
             raise ValueError(f"max_tokens {max_tokens} and batch_tokens {batch_tokens} must be >= 1")
         self.max_tokens = max_tokens
-        self.batch_tokens = min(batch_tokens, max_tokens)
+        self.fill = batch_tokens is None
+        self.batch_tokens = max_tokens if batch_tokens is None else min(batch_tokens, max_tokens)
         self.used = 0
         self.full = False   # no other prompt may join this pass
 
@@ -85,8 +88,8 @@ class PassBudget:
         counted as taken; 0 when it does not join (the pass is then `full`)."""
         if self.full:
             return 0
-        if self.used == 0:
-            n = min(remaining, self.max_tokens)
+        if self.used == 0 or self.fill:
+            n = min(remaining, self.max_tokens - self.used)
         elif self.used + remaining <= self.batch_tokens:
             n = remaining
         else:
@@ -94,6 +97,27 @@ class PassBudget:
         self.used += n
         self.full = n == 0 or self.used >= self.batch_tokens
         return n
+
+
+def fill_pass(candidates: Iterable[J], budget: PassBudget, remaining: Callable[[J], int],
+              admit: Callable[[J, int], bool]) -> list[tuple[J, int]]:
+    """The prompts of one pass and how many tokens each computes in it, in ``candidates`` order.
+
+    Each candidate takes ``budget.take(remaining(c))`` tokens; ``admit(c, tokens)`` then gives it
+    what it needs to run them (blocks); a candidate the budget or ``admit`` turns away closes the
+    pass (nobody behind it overtakes it), and so does a chunked one. This is the one place the
+    prefill worker and the generator decide a pass's prompts.
+    """
+    out: list[tuple[J, int]] = []
+    for c in candidates:
+        left = remaining(c)
+        take = budget.take(left)
+        if not take or not admit(c, take):
+            break
+        out.append((c, take))
+        if take < left or budget.full:
+            break
+    return out
 
 
 class RateMeter:

@@ -115,6 +115,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
+        architecture=arch,
     )
 
 
@@ -226,6 +227,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeig
         raise ModelLoadError(f"{path}/config.json is not valid JSON: {exc}") from exc
     if hf.get("model_type") not in ("llama", "mistral", None):
         raise ModelLoadError(f"{path}: unsupported model_type {hf.get('model_type')!r}")
+    window = hf.get("sliding_window")
+    if window is not None and int(window) < int(hf.get("max_position_embeddings", 2048)):
+        raise ModelLoadError(f"{path}: sliding_window {window} (below the context) is not supported")
     if (hf.get("rope_scaling") or {}).get("rope_type", "default") not in ("default",):
         raise ModelLoadError(f"{path}: rope scaling {hf['rope_scaling']} is not supported")
     heads = int(hf["num_attention_heads"])
@@ -242,6 +246,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeig
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        architecture=hf.get("model_type") or "llama",
     )
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -51,12 +51,12 @@ from loadtest.runner import run_benchmark
 # (process, bucket, substrings of a frame's "function (file:line)"); the innermost frame that
 # matches any rule of the process decides the bucket.
 BUCKETS: list[tuple[str, str, tuple[str, ...]]] = [
-    ("decode", "engine step", ("engine/model.py", "engine/attention.py", "engine/sampling.py",
+    ("decode", "engine step", ("engine/models/", "engine/runner.py", "engine/attention.py", "engine/sampling.py",
                                "engine/quant.py", "engine/linear.py", "engine/generator.py")),
     ("decode", "kv receive", ("kvtransfer/",)),
     ("decode", "gRPC", ("grpc/", "rpc/pdserve_pb2", "decode/service.py", "worker/status.py", "worker/sink.py")),
     ("decode", "worker bookkeeping", ("decode/worker.py", "decode/state.py", "worker/")),
-    ("prefill", "engine step", ("engine/model.py", "engine/attention.py", "engine/sampling.py",
+    ("prefill", "engine step", ("engine/models/", "engine/runner.py", "engine/attention.py", "engine/sampling.py",
                                 "engine/quant.py", "engine/linear.py")),
     ("prefill", "kv send", ("kvtransfer/",)),
     ("prefill", "gRPC", ("grpc/", "rpc/pdserve_pb2", "prefill/service.py", "worker/status.py", "worker/sink.py")),

@@ -76,7 +76,7 @@ class PrefillJob:
     must be posted (its lease)."""
 
     request_id: str
-    token_ids: list[int]
+    prompt_token_ids: list[int]
     params: SamplingParams
     peer: DecodePeer | None           # None: a warm-up (`PrefillWorker.warm`): computes, writes nothing
     dst_blocks: list[int]
@@ -88,7 +88,7 @@ class PrefillJob:
     state: JobState = JobState.QUEUED
     queued_at: float = field(default_factory=time.monotonic)   # monotonic seconds (scheduling order)
     error: Exception | None = None
-    src_blocks: list[BlockId] = field(default_factory=list)
+    block_table: list[BlockId] = field(default_factory=list)
     num_computed: int = 0
     first_token: int | None = None
     first_logprobs: TokenLogprobs | None = None
@@ -108,6 +108,11 @@ class PrefillJob:
     finished: threading.Event = field(default_factory=threading.Event)
     _callbacks: list[Callable[["PrefillJob"], None]] = field(default_factory=list)
     _cb_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The tokens it computes: its prompt (`engine.runner.RunnerSeq`)."""
+        return self.prompt_token_ids
 
     def move(self, new: JobState) -> None:
         if new not in _NEXT[self.state]:

@@ -57,7 +57,7 @@ class WarmupQueue:
         full = len(token_ids) // bs * bs
         job = PrefillJob(request_id, list(token_ids[:full]), SamplingParams(max_tokens=1), None, [], 0, 0,
                          time.monotonic() + self.lease_s, warm=True)
-        job.block_hashes = block_hashes(job.token_ids, bs)
+        job.block_hashes = block_hashes(job.prompt_token_ids, bs)
         self._jobs.append(job)
         return job
 
@@ -66,33 +66,31 @@ class WarmupQueue:
         """The next chunk (at most ``budget`` tokens) of the oldest warm-up, as a one-chunk pass;
         warm-ups found cached whole finish here, those that cannot run are dropped; both are
         handed to ``retire`` (blocks freed off the caller's lock). ``take_blocks(job)`` gives a
-        job its blocks (False: no room)."""
+        job its blocks and moves it to COMPUTING (False: no room, nothing taken)."""
         alloc = self.pool.allocator
         while self._jobs:
             job = self._jobs[0]
-            if not job.src_blocks:
+            if not job.block_table:
                 if time.monotonic() >= job.deadline or (
                         alloc.num_free - len(job.block_hashes) < POOL_SHARE * self.pool.num_blocks):
                     job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: the pool needs its room"))
-                elif take_blocks(job):
-                    job.move(JobState.COMPUTING)
-                else:
+                elif not take_blocks(job):
                     job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: no room in the pool"))
-            if job.stopped or job.num_computed == len(job.token_ids):   # dropped, or cached whole
+            if job.stopped or job.num_computed == len(job.prompt_token_ids):   # dropped, or cached whole
                 self._jobs.popleft()
                 if job.state == JobState.COMPUTING:
                     job.move(JobState.TRANSFERRING)
                 retire(job)
                 continue
-            end = min(len(job.token_ids), job.num_computed + budget)
-            return [(job, SeqChunk(job.token_ids[job.num_computed:end], job.num_computed, job.src_blocks,
+            end = min(len(job.prompt_token_ids), job.num_computed + budget)
+            return [(job, SeqChunk(job.prompt_token_ids[job.num_computed:end], job.num_computed, job.block_table,
                                    need_logits=False))]
         return []
 
     def chunk_done(self, job: PrefillJob) -> bool:
         """After a pass of ``job`` counted its tokens: True (and the job leaves the queue, moved
         to TRANSFERRING, to be retired) when it has computed everything."""
-        if job.num_computed == len(job.token_ids) and self._jobs and self._jobs[0] is job:
+        if job.num_computed == len(job.prompt_token_ids) and self._jobs and self._jobs[0] is job:
             self._jobs.popleft()
             job.move(JobState.TRANSFERRING)
             return True
@@ -106,7 +104,7 @@ class WarmupQueue:
     def drop(self, running: bool, why: str) -> list[PrefillJob]:
         """Drop the queued warm-ups (and the one computing when ``running``: only once the loop
         thread stopped) with `WarmupDropped` (``why``); returns them, to be retired."""
-        keep = [j for j in self._jobs if j.src_blocks and not running]
+        keep = [j for j in self._jobs if j.block_table and not running]
         dropped = [j for j in self._jobs if j not in keep]
         self._jobs = deque(keep)
         for job in dropped:

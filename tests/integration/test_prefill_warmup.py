@@ -112,7 +112,7 @@ def test_warm_ups_that_need_the_prefills_room_are_dropped_and_stopping_drops_the
     finally:
         worker.close()
         res.close()
-    assert not worker._thread.is_alive() and not worker._sender.is_alive()
+    assert not worker._thread.is_alive() and not worker.sender._thread.is_alive()
     assert all(j.finished.is_set() for j in queued)
     assert any(isinstance(j.error, WarmupDropped) for j in queued)   # drain dropped what had not run
     assert worker.metrics["warmups_completed"] + worker.metrics["warmups_dropped"] == 65

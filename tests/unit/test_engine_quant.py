@@ -275,7 +275,7 @@ def test_threshold_is_timed_over_every_layers_projections_in_forward_order(monke
     """`max_int4_rows` is timed on the projections a step runs, all of them in turn (their
     weights out of cache), not on one layer kept hot by the repetitions: layer 0 alone made the
     bfloat16 copies look faster than they are (engine.quant.measure_max_low_bit_rows)."""
-    import engine.model
+    import engine.models.llama
     from engine.loader import load_model
 
     timed = []
@@ -284,7 +284,7 @@ def test_threshold_is_timed_over_every_layers_projections_in_forward_order(monke
         timed.append(list(linears))
         return 2 if isinstance(linears[0], Int4Linear) else 4
 
-    monkeypatch.setattr(engine.model, "measure_max_low_bit_rows", fake_measure)
+    monkeypatch.setattr(engine.models.llama, "measure_max_low_bit_rows", fake_measure)
     m = load_model(weights="native").model
     forward_order = [p for lin in m._layers for p in (lin.wqkv, lin.wo, lin.w_gate_up, lin.w_down)]
     assert len(timed) == 1 and timed[0] == forward_order     # the head's threshold is given (4)

@@ -7,7 +7,7 @@ from loadtest.budget import classify, parse_raw
 
 def test_the_innermost_project_frame_decides_the_bucket():
     step = ("MainThread;_loop (decode/worker.py:470);_step (decode/worker.py:453);step (engine/generator.py:190);"
-            "forward (engine/model.py:95);__call__ (engine/quant.py:178)")
+            "forward (engine/models/llama.py:95);__call__ (engine/quant.py:178)")
     assert classify(step, "decode") == "engine step"
     finish = "decode-loop;_loop (decode/worker.py:470);_finish (decode/worker.py:380);put (worker/sink.py:40)"
     assert classify(finish, "decode") == "gRPC"
@@ -22,9 +22,9 @@ def test_the_innermost_project_frame_decides_the_bucket():
 
 def test_raw_files_sum_per_bucket(tmp_path):
     raw = tmp_path / "decode.txt"
-    raw.write_text("a;forward (engine/model.py:1) 30\n"
+    raw.write_text("a;forward (engine/models/llama.py:1) 30\n"
                    "a;_loop (decode/worker.py:2) 5\n"
-                   "a;forward (engine/model.py:1);x (engine/attention.py:3) 7\n"
+                   "a;forward (engine/models/llama.py:1);x (engine/attention.py:3) 7\n"
                    "garbage line\n")
     assert parse_raw(raw, "decode") == {"engine step": 37, "worker bookkeeping": 5}
     assert parse_raw(tmp_path / "missing.txt", "decode") == {}

@@ -8,7 +8,6 @@ gate/up projections (see `engine.weights`). Reference: Hugging Face ``modeling_l
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +16,15 @@ from engine.attention import ForwardBatch, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
 from engine.linear import Linear, gemv_copy_pays, resolve_backend
+from engine.models.base import LayerCallback, LayerKV
 from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
 from engine.weights import LlamaWeights
 
-LayerCallback = Callable[[int], None]
 log = logging.getLogger(__name__)
 
 
 class LlamaModel:
-    """Forward pass over a `ForwardBatch`.
+    """Forward pass over a `ForwardBatch` (an `engine.models.base.CausalLM`).
 
     The model holds no per-request state: K/V live in the `KVPool` passed to `forward`.
     """
@@ -86,6 +85,10 @@ class LlamaModel:
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
+
+    def kv_layers(self) -> list[LayerKV]:
+        """Every layer stores ``num_kv_heads`` K and V heads of ``head_dim`` per token."""
+        return [LayerKV(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool,

@@ -1,0 +1,232 @@
+"""The model runner: the one place a forward pass is prepared, run and sampled.
+
+Every role runs its passes through a `ModelRunner`: the single-process `engine.generator.Generator`
+(colocated serving, and the decode worker's loop) and the prefill worker (`prefill.worker`).
+Callers own scheduling and request lifecycles; the runner owns the steps between "these chunks of
+these sequences" and "these tokens", which a caller makes in this order:
+
+    take_cached_prefix  a sequence with no blocks takes the blocks of its longest cached prefix
+                        (prefix caching): those tokens count as computed
+    grow                blocks for the positions a pass will write (all or nothing)
+    execute             the `ForwardBatch` of a pass built and run through the model over the
+                        pool (a per-layer hook: the prefill worker posts each layer's KV writes
+                        from it); prompt logprobs gathered; the sampling logits returned
+    advance             a chunk's tokens counted as computed, and the blocks they completed
+                        registered in the prefix cache (their K/V final)
+    sample              tokens and logprobs for sampling rows (n > 1: several rows read one
+                        logits row); one row's failure is its own
+    release / reset     the sequence's blocks given back, when it is done / to start it over
+
+A `RunnerSeq` is what the runner reads and writes of a sequence (`engine.sequence.Sequence`,
+`prefill.job.PrefillJob`). The runner holds no per-request state and takes no lock: one thread
+drives it (the block allocator it calls is thread-safe). The model is any `engine.models.base.CausalLM`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence as Seq
+
+import torch
+
+from engine.attention import ForwardBatch, SeqChunk
+from engine.errors import ContextLengthError, InvalidRequestError
+from engine.ids import BlockId
+from engine.kv_cache import KVPool, block_hashes, blocks_needed
+from engine.models.base import CausalLM, LayerCallback
+from engine.sampling import (SampleRow, SamplingError, SamplingParams, TokenLogprobs, compute_logprobs,
+                             prompt_logprobs_of, sample)
+
+
+class RunnerSeq(Protocol):
+    """What the runner reads and writes of one sequence.
+
+    ``all_token_ids``: prompt then output tokens; ``num_computed``: leading tokens whose K/V are
+    in ``block_table``'s blocks; ``block_hashes``: chained hashes of its full blocks, as far as
+    known; ``num_registered``: leading blocks registered in the prefix cache;
+    ``prompt_logprobs``: gathered over the prompt's chunks when asked for (else None or [])."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    block_table: list[BlockId]
+    num_computed: int
+    block_hashes: list[bytes]
+    num_registered: int
+    prompt_logprobs: list[TokenLogprobs] | None
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+def validate_request(prompt_token_ids: Seq[int], params: SamplingParams, max_position: int,
+                     vocab_size: int) -> None:
+    """Check a request against a model's context (``max_position`` tokens) and vocabulary.
+
+    Raises:
+        InvalidRequestError: empty prompt, a token id (prompt, ``stop_token_ids``, ``logit_bias``)
+            outside ``[0, vocab_size)``, ``num_resumed`` not below the prompt's length.
+        ContextLengthError: prompt + ``max_tokens`` does not fit the context.
+    """
+    if len(prompt_token_ids) == 0:
+        raise InvalidRequestError("the prompt is empty")
+    if len(prompt_token_ids) >= max_position:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+            f"{max_position} tokens")
+    if len(prompt_token_ids) + params.max_tokens > max_position:
+        raise ContextLengthError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"this model's context of {max_position} tokens")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token ids out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
+    bad = [t for t in params.token_ids_in_use() if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids / logit_bias name ids outside the vocabulary "
+                                  f"[0, {vocab_size}): {bad[:5]}")
+    if params.num_resumed >= len(prompt_token_ids):
+        raise InvalidRequestError(f"num_resumed ({params.num_resumed}) must be below the prompt's "
+                                  f"{len(prompt_token_ids)} tokens")
+
+
+class ModelRunner:
+    """Forward passes of one model over one KV pool (module doc for the call order).
+
+    Args:
+        model: the `CausalLM`; its ``kv_dtype`` must be the pool's dtype.
+        pool: the `KVPool`; the runner allocates from its allocator (shared with the caller,
+            who may reserve blocks of its own, as the decode worker does).
+        prefix_caching: take cached prefixes and register computed full blocks.
+    """
+
+    def __init__(self, model: CausalLM, pool: KVPool, prefix_caching: bool = False):
+        self.model = model
+        self.pool = pool
+        self.prefix_caching = prefix_caching
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """`validate_request` against this model's context and vocabulary."""
+        c = self.model.config
+        validate_request(prompt_token_ids, params, c.max_position, c.vocab_size)
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def prefix_hashes(self, seq: RunnerSeq) -> list[bytes]:
+        """The hashes of ``seq``'s cacheable prefix: its full blocks but the last token (whose
+        logits pick the next token, so it is always computed); kept in ``seq.block_hashes``.
+        Empty with prefix caching off, and for a prompt that wants prompt logprobs (every
+        position's logits are needed, so nothing is taken from the cache)."""
+        if not self.prefix_caching or (seq.params.prompt_logprobs is not None
+                                       and len(seq.all_token_ids) == len(seq.prompt_token_ids)):
+            return []
+        if not seq.block_hashes:
+            tokens = seq.all_token_ids
+            seq.block_hashes = block_hashes(tokens[:len(tokens) - 1], self.pool.block_size)
+        return seq.block_hashes
+
+    def cached_tokens(self, seq: RunnerSeq) -> int:
+        """Tokens of ``seq``'s prefix the cache holds now (no reference taken: a scheduler's
+        estimate, the cache may change before `take_cached_prefix`)."""
+        hashes = self.prefix_hashes(seq)
+        return self.pool.allocator.cached_prefix_blocks(hashes) * self.pool.block_size if hashes else 0
+
+    def tokens_to_compute(self, seq: RunnerSeq) -> int:
+        """Tokens of ``seq`` whose K/V are still to compute (>= 1 for a sequence that has not
+        computed all): for one holding no blocks yet, less what its cached prefix would give now
+        (`cached_tokens`, an estimate)."""
+        if seq.block_table:
+            return len(seq.all_token_ids) - seq.num_computed
+        return len(seq.all_token_ids) - max(seq.num_computed, self.cached_tokens(seq))
+
+    def take_cached_prefix(self, seq: RunnerSeq) -> int:
+        """Give ``seq`` (holding no blocks) the cached blocks of its longest cached prefix, a
+        reference each; they count as computed and registered. Returns the tokens taken (0 with
+        prefix caching off). Raises ValueError when ``seq`` holds blocks already."""
+        if seq.block_table:
+            raise ValueError("take_cached_prefix: the sequence holds blocks already")
+        hashes = self.prefix_hashes(seq)
+        hit = self.pool.allocator.lookup(hashes) if hashes else []
+        seq.block_table = list(hit)
+        seq.num_computed = len(hit) * self.pool.block_size
+        seq.num_registered = len(hit)
+        return seq.num_computed
+
+    def grow(self, seq: RunnerSeq, num_tokens: int) -> bool:
+        """Make ``seq.block_table`` cover ``num_tokens`` positions; False (nothing taken) when
+        the pool cannot give the missing blocks now."""
+        extra = blocks_needed(num_tokens, self.pool.block_size) - len(seq.block_table)
+        if extra <= 0:
+            return True
+        blocks = self.pool.allocator.try_allocate(extra)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    def release(self, seq: RunnerSeq) -> None:
+        """Give back ``seq``'s blocks, once it is done (finished, failed, retired): a cached block
+        stays in the cache, evictable. ``seq.num_computed`` is kept as the record of how far it
+        got."""
+        if seq.block_table:
+            self.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_registered = 0
+
+    def reset(self, seq: RunnerSeq) -> None:
+        """Give back ``seq``'s blocks to start it over (preemption, or blocks it could not
+        complete): it holds none and has computed nothing."""
+        self.release(seq)
+        seq.num_computed = 0
+
+    # -- the pass -------------------------------------------------------------------------------
+    def execute(self, scheduled: Seq[tuple[RunnerSeq, SeqChunk]],
+                on_layer_done: LayerCallback | None = None) -> torch.Tensor:
+        """Run one pass: each chunk's tokens' K/V into the pool, prompt logprobs appended to
+        ``seq.prompt_logprobs`` for the chunks that ask (``chunk.prompt_logits``).
+
+        Does not count the tokens as computed (`advance` does, once the caller accepts the
+        pass). Returns the ``[S, vocab]`` float32 logits of the ``need_logits`` chunks, in
+        chunk order. Raises ValueError for a chunk its block table cannot hold, and whatever
+        the model's forward raises (the pass is then lost for every chunk in it).
+        """
+        batch = ForwardBatch.build([c for _, c in scheduled], self.pool.block_size)
+        logits = self.model.forward(batch, self.pool, on_layer_done=on_layer_done)
+        for (seq, chunk), (first, rows) in zip(scheduled, batch.logits_spans):
+            if chunk.prompt_logits:
+                seq.prompt_logprobs += prompt_logprobs_of(logits[first:first + rows], seq.prompt_token_ids,
+                                                          chunk.start, seq.params.prompt_logprobs)
+        return batch.sampling_logits(logits)
+
+    def advance(self, seq: RunnerSeq, num_tokens: int, register: bool = True) -> None:
+        """Count ``num_tokens`` more of ``seq`` as computed; with prefix caching and
+        ``register``, register the blocks whose positions are now all computed."""
+        seq.num_computed += num_tokens
+        if self.prefix_caching and register:
+            self._register_full_blocks(seq)
+
+    def _register_full_blocks(self, seq: RunnerSeq) -> None:
+        bs = self.pool.block_size
+        full = min(seq.num_computed // bs, len(seq.block_table))
+        if full <= seq.num_registered:
+            return
+        if len(seq.block_hashes) < full:
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            seq.block_hashes += block_hashes(seq.all_token_ids[:full * bs], bs, start=len(seq.block_hashes),
+                                             parent=parent)
+        for i in range(seq.num_registered, full):
+            self.pool.allocator.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered = full
+
+    def sample(self, logits: torch.Tensor, rows: Seq[SampleRow],
+               logits_rows: Seq[int]) -> list[tuple[int | SamplingError, TokenLogprobs | None]]:
+        """Draw one token for each of ``rows``, row ``i`` from ``logits[logits_rows[i]]``
+        (``logits``: `execute`'s ``[S, vocab]``), with its logprobs when its params ask.
+        Returns ``(token or SamplingError, TokenLogprobs or None)`` per row (`engine.sampling.
+        sample`: a row that cannot be sampled fails alone)."""
+        if list(logits_rows) != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(list(logits_rows), dtype=torch.long, device=logits.device))
+        tokens = sample(logits, rows)
+        return list(zip(tokens, compute_logprobs(logits, rows, tokens)))
