@@ -13,7 +13,7 @@ the first token (and, on a resumed attempt, the earlier output at the end of the
 puts it in exactly the state it would have in one process (the grammar's state is a function of
 the tokens consumed).
 
-Why llguidance rather than xgrammar (`python -m engine.bench_grammars` measures both on this model's
+Why llguidance rather than xgrammar (`python -m bench.grammars` measures both on this model's
 tokenizer): both compile a JSON schema in a few ms and compute a mask in microseconds (beside a
 ~20 ms decode step either is noise), both do JSON schema, regex and context-free grammars; but
 llguidance is one 3 MB wheel with no dependencies, while xgrammar pulls torch, transformers,

@@ -4,7 +4,7 @@ Two backends:
 - ``onednn``: the weight is reordered once into oneDNN's blocked layout and multiplied with
   ``torch.ops.mkldnn._linear_pointwise`` (the kernels PyTorch's inductor uses for CPU linears).
   On a single core this runs 2-3x faster than ``F.linear`` for 2..2048-row inputs and ~2x for the
-  49152-row LM head (measured with ``python -m engine.bench``).
+  49152-row LM head (measured with ``python -m bench.engine``).
 - ``torch``: plain ``F.linear``; the portable choice (CUDA tensors, builds without oneDNN).
 
 ``auto`` picks ``onednn`` for CPU weights when the ops exist and a self-check on random data agrees

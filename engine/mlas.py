@@ -28,7 +28,7 @@ Not compared on an AVX2-only CPU here.
 scale per row against int8 weights with one scale per output channel (vLLM's CPU W8A8
 scheme), the integer product on onnxruntime's ``MatMulInteger`` (MLAS QGEMM). Its GEMM alone is
 2.2-2.3x a bfloat16 oneDNN matmul at 32 rows, but quantizing the activations and scaling the
-int32 result back are separate eager ops that cost more than that gain (`engine.bench
+int32 result back are separate eager ops that cost more than that gain (`bench.engine
 --linears`; docs/ARCHITECTURE.md, weights modes).
 
 The activations' int8 rounding makes results differ from a float matmul by about 0.5% of the

@@ -16,8 +16,8 @@ its last chunk, and every prompt of a pass finishes when the pass does. Two rule
    (longer ones are chunked); the next ones join whole while the pass stays within
    ``batch_tokens``; the first that does not fit closes the pass. Joining whole rather than with
    a chunk of what is left gave a lower p50 TTFT on each of three bursts tried with
-   ``prefill.bench.burst`` (a chunked prompt finishes a pass later anyway, and delays the pass it
-   rides in). Measured with ``python -m prefill.bench`` (SmolLM2-135M float32, one thread, this
+   ``bench.prefill.burst`` (a chunked prompt finishes a pass later anyway, and delays the pass it
+   rides in). Measured with ``python -m bench.prefill`` (SmolLM2-135M float32, one thread, this
    project's 2-core machine): a pass of 16 / 64 / 128 / 256 / 512 tokens computes 208 / 458 / 603 / 645 / 594 tokens/s, so the CPU default is 128
    (over 90% of the peak); on a GPU the knee lies near the chunk size (vLLM and Sarathi-Serve's
    token budgets of 512-2048), so the default there is ``max_num_batched_tokens``: one pass as

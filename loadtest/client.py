@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from loadtest.config import BenchmarkConfig
-from loadtest.datasets import SampleRequest
+from loadtest.sample import SampleRequest
 
 ERROR_BODY_CHARS = 500
 

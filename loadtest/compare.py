@@ -43,10 +43,11 @@ import numpy as np
 
 from loadtest.cli import parse_goodput
 from loadtest.config import BenchmarkConfig
-from loadtest.datasets import SampleRequest, random_requests
+from loadtest.datasets import random_requests
 from loadtest.errors import LoadTestError
 from loadtest.report import write_json
 from loadtest.runner import run_benchmark
+from loadtest.sample import SampleRequest
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ Two datasets, both seeded and reproducible:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from loadtest.config import BenchmarkConfig
+from loadtest.sample import SampleRequest, approx_token_count
+from loadtest.sharegpt import sharegpt_requests
 
 WORDS = tuple("""
 the of and to in is was for on that with as by at from his her it he she they we you are be this
@@ -38,23 +39,6 @@ boys since white days ever paper hard near sentence better best across during to
 means knew try told young miles sun ways thing whole hear example heard several change answer room
 sea against top turned learn point city play toward five using himself usually money seen car
 """.split())
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    """One request of the workload."""
-
-    prompt: str
-    """The prompt text (completions) or the user message (chat)."""
-    prompt_len: int
-    """Prompt length, tokens, as estimated client-side; replaced by the server's usage count."""
-    expected_output_len: int
-    """``max_tokens`` to ask for."""
-
-
-def approx_token_count(text: str) -> int:
-    """Tokens in ``text`` estimated without a tokenizer: ~4 characters per token, at least 1."""
-    return max(1, round(len(text) / 4))
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
@@ -87,7 +71,5 @@ def sample_requests(config: BenchmarkConfig,
     if config.dataset == "random":
         return random_requests(config.num_prompts, config.random_input_len,
                                config.random_output_len, config.random_range_ratio, config.seed)
-    from loadtest.sharegpt import sharegpt_requests
-
     return sharegpt_requests(config.num_prompts, seed=config.seed, path=config.dataset_path,
                              output_len=config.sharegpt_output_len, count_tokens=count_tokens)

@@ -48,7 +48,7 @@ from loadtest.errors import DatasetError, LoadTestError, ServerError
 from loadtest.report import write_json
 from loadtest.sharegpt import GPT_ROLES, HUMAN_ROLES
 
-CHARS_PER_TOKEN = 4  # loadtest.datasets.approx_token_count's estimate
+CHARS_PER_TOKEN = 4  # loadtest.sample.approx_token_count's estimate
 WORKLOADS = ("multiturn", "shared-prefix")
 COUNTERS = {"prefill": ("prompt_tokens", "prefix_hit_tokens", "kv_bytes_sent", "kv_bytes_skipped",
                         "warmup_tokens_computed"),

@@ -27,9 +27,10 @@ from tqdm import tqdm
 from loadtest.arrivals import arrival_times
 from loadtest.client import RequestOutput, build_payload, send_request
 from loadtest.config import BenchmarkConfig
-from loadtest.datasets import SampleRequest, approx_token_count, sample_requests
+from loadtest.datasets import sample_requests
 from loadtest.errors import ServerError
 from loadtest.metrics import compute_metrics
+from loadtest.sample import SampleRequest, approx_token_count
 
 DEADLINE_ERROR = "max duration reached"
 

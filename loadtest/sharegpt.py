@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 from typing import Callable
 
-from loadtest.datasets import SampleRequest, approx_token_count
+from loadtest.sample import SampleRequest, approx_token_count
 from loadtest.errors import DatasetError
 
 MIN_LEN = 4

@@ -1,4 +1,4 @@
-"""`engine.perplexity`: llama-perplexity's protocol, checked against transformers' log-likelihoods."""
+"""`bench.perplexity`: llama-perplexity's protocol, checked against transformers' log-likelihoods."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
+from bench.perplexity import DEFAULT_TEXT, chunk_nll, chunks_of, llama_cpp_perplexity, main, perplexity
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool
-from engine.perplexity import DEFAULT_TEXT, chunk_nll, chunks_of, llama_cpp_perplexity, main, perplexity
 
 pytestmark = pytest.mark.integration
 

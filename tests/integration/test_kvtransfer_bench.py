@@ -1,4 +1,4 @@
-"""``python -m kvtransfer.bench`` runs end to end (own engines and ceilings; peers are optional
+"""``python -m bench.kvtransfer`` runs end to end (own engines and ceilings; peers are optional
 and measured only by hand) and writes a JSON with every (shape, method) and its ratios."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtransfer import bench
+from bench import kvtransfer as bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 

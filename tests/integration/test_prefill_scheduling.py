@@ -64,7 +64,7 @@ def test_a_burst_finishes_shortest_first_and_each_output_is_the_engines(pair, sm
 
 
 def test_the_burst_benchmark_runs_each_policys_passes(smollm):
-    from prefill.bench import burst
+    from bench.prefill import burst
 
     res = burst(smollm, [40, 12, 24], cached=16, max_tokens=2048, batch_tokens=48)
     one_pass, one_at_a_time, sched = (res[k]["ttft_s"] for k in ("fifo-one-pass", "fifo-one-at-a-time", "scheduler"))

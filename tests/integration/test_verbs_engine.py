@@ -161,7 +161,7 @@ def test_pdserve_doctor_reports_the_stack():
 
 
 def test_bench_runs_verbs_beside_tcp(tmp_path, capsys):
-    from kvtransfer import bench
+    from bench import kvtransfer as bench
     devices = list_rdma_devices()
     pair = f"{devices[-1]},{devices[0]}"
     out = tmp_path / "kv.json"

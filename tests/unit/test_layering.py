@@ -2,7 +2,9 @@
 
 The table's last column names, in backticks, the project modules each package may import; an
 import of any other project package (at module level or inside a function) fails the test. The
-router must also run without torch: importing its entry points must not load it.
+benchmarks (``bench/``) stay out of the serving path: a serving package importing ``bench`` fails
+whatever its row says, ``deploy``'s "everything" included. The router must also run without
+torch: importing its entry points must not load it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kvtransfer", "rpc", "worker", "prefill", "decode", "router", "loadtest", "deploy")
+SERVING = ("engine", "kvtransfer", "rpc", "worker", "prefill", "decode", "router", "loadtest", "deploy")
+PACKAGES = SERVING + ("bench",)
 
 
 def _table() -> dict[str, tuple[str, ...] | None]:
@@ -43,8 +46,19 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return [(line, mod) for line, mod in out if mod.split(".")[0] in PACKAGES]
 
 
-def _permitted(module: str, own: str, allowed: tuple[str, ...]) -> bool:
-    return any(module == a or module.startswith(a + ".") for a in (own, *allowed))
+def _permitted(module: str, own: str, allowed: tuple[str, ...] | None) -> bool:
+    if own in SERVING and module.split(".")[0] == "bench":
+        return False
+    return allowed is None or any(module == a or module.startswith(a + ".") for a in (own, *allowed))
+
+
+def arrows_not_allowed(root: Path, package: str, allowed: tuple[str, ...] | None) -> list[str]:
+    """``path:line imports module`` for each import in ``root/package`` that ``allowed`` (the
+    package's table row, None: everything) does not permit, or that takes a serving package to
+    ``bench``."""
+    return [f"{path.relative_to(root)}:{line} imports {mod}"
+            for path in sorted((root / package).rglob("*.py"))
+            for line, mod in _imports(path) if not _permitted(mod, package, allowed)]
 
 
 def test_the_table_covers_every_package():
@@ -54,11 +68,7 @@ def test_the_table_covers_every_package():
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_follow_the_layering_table(package):
     allowed = _table()[package]
-    if allowed is None:
-        return
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {mod}"
-           for path in sorted((ROOT / package).rglob("*.py"))
-           for line, mod in _imports(path) if not _permitted(mod, package, allowed)]
+    bad = arrows_not_allowed(ROOT, package, allowed)
     assert not bad, f"arrows ARCHITECTURE.md does not allow for {package}/ (may import {allowed}):\n" + "\n".join(bad)
 
 
@@ -69,3 +79,25 @@ def test_the_router_process_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"the router loaded torch: {out.stdout[:300]}"
+
+
+def test_the_table_keeps_bench_out_of_every_serving_package():
+    table = _table()
+    assert table["bench"] is None
+    for package in SERVING:
+        assert table[package] is None or "bench" not in table[package], package
+
+
+@pytest.mark.parametrize("package", ["engine", "deploy"])   # a listed row, and an "everything" row
+def test_a_serving_module_importing_bench_is_reported(tmp_path, package):
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "fast.py").write_text(
+        "import bench.engine\n\n\ndef timing():\n    from bench.common import timed\n    return timed\n")
+    bad = arrows_not_allowed(tmp_path, package, _table()[package])
+    assert bad == [f"{package}/fast.py:1 imports bench.engine", f"{package}/fast.py:5 imports bench.common.timed"]
+
+
+def test_bench_may_import_any_package(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "x.py").write_text("import deploy.launcher\nfrom engine.loader import load_model\n")
+    assert arrows_not_allowed(tmp_path, "bench", _table()["bench"]) == []

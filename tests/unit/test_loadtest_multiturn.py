@@ -3,11 +3,11 @@ conversation and group construction, the report math from constructed inputs."""
 
 import pytest
 
+from bench.prefix import compare_outputs, multiturn_verdicts, shared_prefix_verdict
 from loadtest.errors import DatasetError
 from loadtest.multiturn import (Conversation, build_conversations, build_shared_prefix,
                                 counter_delta, multiturn_rows, percentile_ms, sum_counters,
                                 table_lines, truncate_tokens, turn_messages)
-from deploy.prefix_bench import compare_outputs, multiturn_verdicts, shared_prefix_verdict
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,9 @@ import pytest
 from loadtest.cli import build_parser, config_from_args, parse_goodput, parse_headers
 from loadtest.client import build_payload, chunk_text
 from loadtest.config import BenchmarkConfig
-from loadtest.datasets import SampleRequest
 from loadtest.errors import ConfigError
 from loadtest.report import result_filename, save_result, summary_lines
+from loadtest.sample import SampleRequest
 from loadtest.sweep import sweep_row, sweep_table
 
 pytestmark = pytest.mark.unit

@@ -1,7 +1,7 @@
 """Single-request latency: disaggregated cluster vs the single-process engine, in one run.
 
-    python -m deploy.latency [--prompt-tokens 512] [--max-tokens 64] [--repeats 5]
-                             [--transfer-engine auto] [--json PATH]
+    python -m bench.latency [--prompt-tokens 512] [--max-tokens 64] [--repeats 5]
+                            [--transfer-engine auto] [--json PATH]
 
 For one greedy request at a time (nothing else running), measures TTFT (request sent -> first
 token) and ITL (mean gap between later tokens), as medians over ``--repeats``:
@@ -14,7 +14,6 @@ The engine runs first, before the cluster starts, so neither competes with the o
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ import time
 
 import httpx
 
+from bench.common import arg_parser, write_json
 from deploy.launcher import WEIGHT_MODES, Cluster, LauncherConfig
 
 
@@ -74,7 +74,7 @@ def measure_cluster(url: str, prompt: list[int], max_tokens: int, repeats: int) 
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser("bench.latency", __doc__)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
@@ -105,8 +105,7 @@ def main(argv=None) -> dict:
                                 "itls_ms": [t * 1e3 for t in itls]}
         print(f"{name:14} {ttft:9.1f} {itl:8.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, args)
     return result
 
 

@@ -1,7 +1,7 @@
 """Perplexity of each ``--weights`` mode on a fixed text, beside llama.cpp's for the same file.
 
-    python -m engine.perplexity [--weights fp32,native,bf16] [--text FILE] [--ctx 512]
-                                [--chunks N] [--llama-perplexity PATH] [--json PATH]
+    python -m bench.perplexity [--weights fp32,native,bf16] [--text FILE] [--ctx 512]
+                               [--chunks N] [--llama-perplexity PATH] [--json PATH]
 
 The protocol is llama.cpp's ``llama-perplexity`` (``tools/perplexity/perplexity.cpp``,
 ``perplexity()``), so the figures compare: the text is tokenized once (BOS first when the GGUF
@@ -18,9 +18,7 @@ fixed, English prose); any UTF-8 file works with ``--text``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import re
 import subprocess
@@ -30,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import arg_parser, write_json
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool, blocks_needed
@@ -107,7 +106,7 @@ def llama_cpp_perplexity(binary: str, gguf: Path, text: Path, ctx: int, chunks: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = arg_parser("bench.perplexity", __doc__.splitlines()[0])
     ap.add_argument("--weights", default="fp32,native,bf16", help="comma-separated --weights modes")
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c)")
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['engine']:10} {r['weights']:18} {r['ppl']:>9.4f} {r.get('chunks', ''):>7} "
               f"{r.get('tokens_scored', ''):>7}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"text": str(args.text), "ctx": args.ctx, "rows": rows}, indent=2))
+        write_json(args.json, {"text": str(args.text), "ctx": args.ctx, "rows": rows}, args)
     return 0
 
 

@@ -1,7 +1,7 @@
 """llguidance vs xgrammar on this model's tokenizer: what choosing the structured-output library
 rests on (`engine.grammar` says which one pdserve uses and why).
 
-    python -m engine.bench_grammars [--model PATH] [--out grammars.json]
+    python -m bench.grammars [--model PATH] [--out grammars.json]
 
 For each grammar (JSON schemas of growing size, a regex, a choice) and each library: the time to
 build its tokenizer view (once per process), to compile the grammar, and to compute the
@@ -13,11 +13,12 @@ Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
+
+from bench.common import arg_parser, write_json
 
 CASES = {
     "json-small": ({"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
@@ -117,7 +118,7 @@ def bench_xgrammar(tk, cases: dict) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser("bench.grammars", __doc__)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     ap.add_argument("--out", default="grammars.json")
     args = ap.parse_args(argv)
@@ -142,9 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, c in r["cases"].items():
             print(f"{lib:12} {name:12} {c['compile_ms']:10.2f} {c['tokens']:6} {c['p50_us']:11.1f} "
                   f"{c['p99_us']:8.1f} {c['max_us']:8.1f} {str(c['all_allowed']):>11}")
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, results, args)}")
     return results
 
 

@@ -1,4 +1,4 @@
-"""``python -m kvtransfer.bench [--quick] [--json PATH]``: kvtransfer engines vs ceilings and peers.
+"""``python -m bench.kvtransfer [--quick] [--json PATH]``: kvtransfer engines vs ceilings and peers.
 
 Every measurement moves the same bytes from a writer (this process) into a receiver (a spawned
 process) on loopback:
@@ -13,7 +13,7 @@ process) on loopback:
   and scattering them to their destination ranges with ``recvmsg_into`` (no framing, no checks):
   the ceiling of a one-sided write of *scattered* blocks over one TCP stream, which is what the
   KV shapes are (on this machine 0.75-0.85x of ``socket`` for the 128-token KV).
-- ``nixl-tcp`` / ``nixl-local`` / ``mooncake-tcp``: peers, when importable (see :mod:`kvtransfer.bench_peers`).
+- ``nixl-tcp`` / ``nixl-local`` / ``mooncake-tcp``: peers, when importable (see :mod:`bench.kvtransfer_peers`).
 - ``verbs``: this package's RDMA engine (``--methods ...,verbs``; ``--verbs-devices RX,TX`` names
   the receiver's and the writer's device). On a software device (Soft-RoCE, as in the RDMA lab,
   whose guest CPU is emulated) the table says so: absolute GB/s then mean nothing, only the
@@ -25,21 +25,20 @@ blocks), and 1 GiB (``--quick``: 256 MiB) in 256 KiB and 4 MiB writes.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import random
 import socket
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
+from bench import kvtransfer_peers
+from bench.common import arg_parser, timed, write_json
 from kvtransfer import (EndpointInfo, EngineConfig, KVLayout, VerbsConfig, WriteOp, create_engine,
                         plan_writes)
 from kvtransfer.frame import recv_exact_many, send_parts
@@ -91,18 +90,6 @@ def shapes(quick: bool, pool_bytes: int, names: tuple[str, ...] = ()) -> list[Sh
     wanted = lambda name: not names or name in names   # noqa: E731
     out = [kv_shape(t, pool_bytes, rng) for t in (128, 512, 2048, 8192) if wanted(f"kv-{t}tok")]
     return out + [s for s in (bulk_shape(total, 256 << 10), bulk_shape(total, 4 << 20)) if wanted(s.name)]
-
-
-def timed(fn: Callable[[], None], iters: int, warmup: int = 1) -> list[float]:
-    """Seconds taken by each of ``iters`` calls of ``fn``, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def summarize(shape: Shape, method: str, times: list[float]) -> Result:
@@ -280,7 +267,7 @@ def print_table(results: list[Result]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__.split("\n")[0])
+    parser = arg_parser("bench.kvtransfer", __doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller totals, fewer iterations (< 1 min)")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--methods", default="memcpy,socket,socket-sg,tcp,shm,peers")
@@ -333,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if "verbs" in methods:
             notes["verbs"] = verbs_note(tx_dev, rx_dev)
         if "peers" in methods:
-            from kvtransfer import bench_peers
-            peer_times, notes = bench_peers.run_all(src_pool, all_shapes, iters)
+            peer_times, notes = kvtransfer_peers.run_all(src_pool, all_shapes, iters)
             for key, t in peer_times.items():
                 times.setdefault(key, []).extend(t)
     by_name = {s.name: s for s in all_shapes}
@@ -347,9 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in notes.items():
         print(f"note: {k}: {v}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"quick": args.quick, "rounds": rounds, "results": [asdict(r) for r in results],
-                       "notes": notes}, f, indent=1)
+        write_json(args.json, {"quick": args.quick, "rounds": rounds, "results": [asdict(r) for r in results],
+                               "notes": notes}, args)
     return 0
 
 

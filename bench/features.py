@@ -1,6 +1,6 @@
 """What logprobs, structured outputs and penalties cost per token, beside plain decoding, in one run.
 
-    python -m engine.bench_features [--weights native] [--batch 8] [--steps 48] [--json PATH]
+    python -m bench.features [--weights native] [--batch 8] [--steps 48] [--json PATH]
 
 A batch of ``--batch`` sequences (128-token prompts) decodes ``--steps`` steps in each mode; the
 modes run in turn, twice (ABAB order), and each reports the median step time over both rounds:
@@ -21,13 +21,11 @@ writes JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 
 import torch
 
+from bench.common import arg_parser, median_time, write_json
 from engine.config import CacheConfig, SchedulerConfig
 from engine.generator import Generator
 from engine.kv_cache import KVPool
@@ -71,19 +69,15 @@ def step_time(loaded, make_params, batch: int, steps: int, seed: int = 0) -> flo
                         SamplingParams(**{**p.__dict__, "max_tokens": steps + 4}))
     while gen.waiting:
         gen.step()
-    gen.step()   # warm-up decode step
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        outs = gen.step()
-        times.append(time.perf_counter() - t0)
-        if len(outs) != batch or any(o.finished for o in outs):
-            raise RuntimeError("a sequence finished inside the timed steps: the comparison would be off")
-    return statistics.median(times)
+    steps_out = []
+    t = median_time(lambda: steps_out.append(gen.step()), steps)   # after one warm-up decode step
+    if any(len(outs) != batch or any(o.finished for o in outs) for outs in steps_out):
+        raise RuntimeError("a sequence finished inside the timed steps: the comparison would be off")
+    return t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser("bench.features", __doc__)
     ap.add_argument("--weights", default="native", help="weights mode (engine.config.WEIGHT_MODES)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=48)
@@ -113,9 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:12} {t * 1e3:8.2f} {args.batch / t:8.1f} {t / base:8.3f}x {extra:15.1f}")
     result = {"weights": args.weights, "batch": args.batch, "steps": args.steps, "threads": args.threads,
               "rows": rows}
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    print(f"wrote {write_json(args.json, result, args)}")
     return result
 
 

@@ -1,6 +1,6 @@
 """Engine throughput against Hugging Face transformers on the same weights and thread count.
 
-    python -m engine.bench [--threads 1] [--quick] [--weights fp32,native] [--json PATH]
+    python -m bench.engine [--threads 1] [--quick] [--weights fp32,native] [--json PATH]
 
 Measures, in one run and side by side:
 - prefill tokens/s for one prompt of 128 / 512 / 2048 tokens (KV written to the pool / cache);
@@ -14,13 +14,11 @@ and each mode's kernel path (oneDNN packed or plain matmuls; int4 kernel up to h
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import time
 
 import torch
 
+from bench.common import arg_parser, median_time, write_json
 from engine.config import CacheConfig, SchedulerConfig
 from engine.generator import Generator
 from engine.kv_cache import KVPool
@@ -29,28 +27,18 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.sampling import SamplingParams
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_prefill_ours(loaded, n: int, reps: int) -> float:
     pool = KVPool(loaded.config, CacheConfig(num_blocks=-(-n // 16) + 1, dtype=loaded.kv_dtype))
     blocks = pool.allocator.allocate(-(-n // 16))
     ids = torch.randint(100, 40000, (n,)).tolist()
     batch = ForwardBatch.build([SeqChunk(ids, 0, blocks)], 16)
-    return n / _median_time(lambda: loaded.model.forward(batch, pool), reps)
+    return n / median_time(lambda: loaded.model.forward(batch, pool), reps)
 
 
 @torch.inference_mode()
 def bench_prefill_hf(hf, n: int, reps: int) -> float:
     ids = torch.randint(100, 40000, (1, n))
-    return n / _median_time(lambda: hf(ids, use_cache=True, logits_to_keep=1), reps)
+    return n / median_time(lambda: hf(ids, use_cache=True, logits_to_keep=1), reps)
 
 
 def bench_decode_ours(loaded, batch: int, prompt_len: int, steps: int) -> float:
@@ -108,7 +96,7 @@ def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int 
         xs = [torch.randn(m, w.shape[1]) for w in quantized]
 
         def run(fn) -> float:
-            return _median_time(lambda: [fn(i) for i in range(len(xs))], reps) * 1e6
+            return median_time(lambda: [fn(i) for i in range(len(xs))], reps) * 1e6
 
         int4 = run(lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(
             xs[i].bfloat16(), native[i]._packed, 32, native[i]._scale_zero))
@@ -137,7 +125,7 @@ def kernel_path(loaded) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser("bench.engine", __doc__)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both engines")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
     ap.add_argument("--weights", default="fp32", help="comma-separated --weights modes (fp32, bf16, native)")
@@ -194,8 +182,7 @@ def main(argv=None) -> dict:
         print("(int8 gemm: W8A8's integer product alone; w8a8: with per-row quantization and scaling back)")
         result["linears"] = lin
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, args)
     return result
 
 

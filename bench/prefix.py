@@ -1,4 +1,4 @@
-"""``python -m deploy.prefix_bench``: prefix caching on / off and routing policies, one run.
+"""``python -m bench.prefix``: prefix caching on / off and routing policies, one run.
 
 Runs the `loadtest.multiturn` workloads (same seed, same sizes) against fresh clusters
 (`deploy.launcher`), one at a time:
@@ -46,11 +46,12 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
+from bench.common import arg_parser, write_json
 from deploy.launcher import Cluster, LauncherConfig
 from loadtest.errors import LoadTestError
 from loadtest.multiturn import (build_conversations, build_shared_prefix, cell, run_workload,
                                 table_lines)
-from loadtest.report import write_json
+from loadtest.sharegpt import load_records
 
 MODEL = "SmolLM2-135M-Instruct"
 TTFT_TARGET = 3.0
@@ -228,8 +229,7 @@ def run_cluster(spec: ClusterSpec, items: dict, sizes: Sizes, args, out: dict[st
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m deploy.prefix_bench",
-                                description=__doc__.splitlines()[0])
+    p = arg_parser("bench.prefix", __doc__.splitlines()[0])
     p.add_argument("--out", default="bench-results/prefix-bench", help="directory for JSON and logs")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--seed", type=int, default=0)
@@ -242,8 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtest.sharegpt import load_records
-
     args = build_parser().parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if args.conversations < 0:
@@ -278,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"FAILED cluster {name} (its output: above and in the JSON's failures)"
               for name in failures]
     print("\n".join(lines))
-    record = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "argv": sys.argv,
-              "sizes": asdict(sizes), "seed": args.seed, "num_blocks": args.num_blocks,
+    record = {"sizes": asdict(sizes), "seed": args.seed, "num_blocks": args.num_blocks,
               "clusters": [asdict(s) for s in specs], "verdicts": checks, "failures": failures,
               "table": lines, "runs": results}
-    path = write_json(record, Path(args.out) / f"prefix-bench-{record['date']}.json")
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = write_json(Path(args.out) / f"prefix-bench-{stamp}.json", record, args)
     print(f"wrote {path}")
     return 1 if failures else 0
 

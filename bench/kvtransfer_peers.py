@@ -1,4 +1,4 @@
-"""Peer engines for :mod:`kvtransfer.bench`, each measured only when importable (optional extra).
+"""Peer engines for :mod:`bench.kvtransfer`, each measured only when importable (optional extra).
 
 - NIXL (``pip install --no-deps nixl-cu12 nixl``): UCX backend, DRAM descriptors, no progress
   thread; both sides sleep-poll. ``nixl-tcp`` runs with ``UCX_TLS=tcp UCX_NET_DEVICES=lo``,
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.bench import timed
+from bench.common import timed
 
 NIXL_CONFIGS = {"nixl-tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "nixl-local": {}}
 _POLL_S = 0.0001

@@ -1,6 +1,6 @@
 """The prefill scheduler's measurements: tokens/s by pass size, and a burst's TTFT by policy.
 
-    python -m prefill.bench [--threads 1] [--weights fp32] [--quick] [--json PATH]
+    python -m bench.prefill [--threads 1] [--weights fp32] [--quick] [--json PATH]
 
 Two tables, real forward passes of the default model on this machine, one run:
 
@@ -17,13 +17,12 @@ Two tables, real forward passes of the default model on this machine, one run:
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool, blocks_needed
@@ -46,8 +45,7 @@ def pass_sizes(loaded, sizes, reps: int) -> list[dict]:
     for n in sizes:
         blocks = pool.allocator.allocate(blocks_needed(n, BS))
         chunk = SeqChunk(torch.randint(100, 40000, (n,)).tolist(), 0, blocks)
-        _pass(loaded, pool, [chunk])
-        t = statistics.median(_pass(loaded, pool, [chunk]) for _ in range(reps))
+        t = median_time(lambda: _pass(loaded, pool, [chunk]), reps)
         pool.allocator.free(blocks)
         rows.append({"tokens": n, "pass_ms": t * 1e3, "tokens_per_s": n / t})
     return rows
@@ -109,7 +107,7 @@ def burst(loaded, news: list[int], cached: int, max_tokens: int, batch_tokens: i
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser("bench.prefill", __doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--weights", default="fp32")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
@@ -139,8 +137,7 @@ def main(argv=None) -> dict:
         for name, r in res.items():
             print(f"{label:32} {name:20} {r['mean_ms']:>7.0f} {r['p50_ms']:>7.0f} {r['last_ms']:>7.0f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, args)
     return result
 
 
