@@ -280,9 +280,8 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int) -
     that KV head, so K/V are never expanded. Per `DecodeGroup` (on the CPU; one group on other
     devices, `ForwardBatch.to`), the gathered K/V are cast to ``q``'s dtype and laid out
     ``[rows, num_kv_heads, span, head_dim]`` in one copy each, read only up to the group's longest
-    context, and attended while they are still in cache. One core of this project's AMD EPYC,
-    32 sequences of ~400 tokens, one layer: 6.4 ms gathering and attending the whole batch at
-    once, 3.8-4.5 ms in groups of 2-8 rows; 32 of ~160 tokens: 2.1 against 1.8 ms.
+    context, and attended while they are still in cache (measured against gathering the whole
+    batch at once: docs/PERFORMANCE.md, "Grouped decode attention").
     """
     b, heads, dim = q.shape
     kv_heads = k_pool.shape[1]

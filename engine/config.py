@@ -17,7 +17,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # 4-bit projections run as stored (engine.quant, bfloat16 matmul inputs), norms, rotary and the
 # residual stream float32 as in fp32 mode, K/V stored and attended in bfloat16 (llama.cpp's
 # default KV cache is float16 for the same reason: a decode step reads every cached K/V; bfloat16
-# rather than float16 because torch's CPU attention kernel is 2-4x faster in it).
+# rather than float16 because torch's CPU attention kernel is faster in it; measured:
+# docs/PERFORMANCE.md, "Attention dtype on the CPU").
 WEIGHT_MODES = {"fp32": "float32", "bf16": "bfloat16", "native": "float32"}
 KV_CACHE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "native": "bfloat16"}
 

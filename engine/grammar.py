@@ -14,10 +14,11 @@ puts it in exactly the state it would have in one process (the grammar's state i
 the tokens consumed).
 
 Why llguidance rather than xgrammar (`python -m bench.grammars` measures both on this model's
-tokenizer): both compile a JSON schema in a few ms and compute a mask in microseconds (beside a
-~20 ms decode step either is noise), both do JSON schema, regex and context-free grammars; but
-llguidance is one 3 MB wheel with no dependencies, while xgrammar pulls torch, transformers,
-triton and a TVM FFI runtime into every worker (and the router, which validates grammars).
+tokenizer): both compile a JSON schema and compute a mask fast enough to be noise beside a decode
+step (measured: docs/PERFORMANCE.md, "Structured outputs"), both do JSON schema, regex and
+context-free grammars; but llguidance is one 3 MB wheel with no dependencies, while xgrammar
+pulls torch, transformers, triton and a TVM FFI runtime into every worker (and the router, which
+validates grammars).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 class Grammars:
     """Builds `Matcher` objects for one tokenizer (thread-safe; the llguidance tokenizer is built
-    on first use, ~0.2 s for a 49k vocabulary).
+    on first use, once per `Grammars`; its cost: docs/PERFORMANCE.md, "Structured outputs").
 
     Args:
         tokenizer: an `engine.tokenizer.Tokenizer` (its Hugging Face ``tokenizers`` backend).

@@ -3,8 +3,8 @@
 Two backends:
 - ``onednn``: the weight is reordered once into oneDNN's blocked layout and multiplied with
   ``torch.ops.mkldnn._linear_pointwise`` (the kernels PyTorch's inductor uses for CPU linears).
-  On a single core this runs 2-3x faster than ``F.linear`` for 2..2048-row inputs and ~2x for the
-  49152-row LM head (measured with ``python -m bench.engine``).
+  On a single core this runs faster than ``F.linear`` for multi-row inputs and for the LM head
+  (measured: docs/PERFORMANCE.md, "Linear kernels").
 - ``torch``: plain ``F.linear``; the portable choice (CUDA tensors, builds without oneDNN).
 
 ``auto`` picks ``onednn`` for CPU weights when the ops exist and a self-check on random data agrees
@@ -69,10 +69,11 @@ class Linear:
         weight: ``[out_features, in_features]``.
         backend: "onednn" or "torch" (already resolved).
         gemv_copy: with ``onednn`` and float32 weights, also keep ``weight`` as is and multiply
-            one-row inputs (a decode step of one sequence) with ``F.linear`` (MKL's sgemv): on
-            one core that is 1.2-1.4x faster than oneDNN's packed kernel for one row on AVX2 and
-            AVX-512 alike (not for 2+ rows on AVX2), at the cost of a second copy of the weight
-            (none when ``weight`` is also held elsewhere, e.g. a tied embedding).
+            one-row inputs (a decode step of one sequence) with ``F.linear`` (MKL's sgemv),
+            faster than oneDNN's packed kernel for one row on some CPUs, slower on others
+            (`gemv_copy_pays` decides; docs/PERFORMANCE.md, "Linear kernels"), at the cost of a
+            second copy of the weight (none when ``weight`` is also held elsewhere, e.g. a tied
+            embedding).
     Call with ``x``: ``[tokens, in_features]``, same dtype; returns ``[tokens, out_features]``.
     """
 
@@ -119,9 +120,8 @@ def gemv_copy_pays(linears: list[Linear], reps: int = 5) -> bool:
     than through oneDNN's packed weights, timed on this CPU over ``linears`` together (median of
     ``reps`` runs each way, after one warm-up).
 
-    Measured, not assumed: the plain copy won by 1.2-1.4x on one core of earlier AVX2 and
-    AVX-512 machines; on this project's AMD EPYC (AVX512-BF16) a batch-1 float32 decode step was
-    ~15% slower with it (the 49152-row LM head: sgemv 11.1 ms, packed 8.0 ms).
+    Measured, not assumed: the plain copy won on one core of earlier AVX2 and AVX-512 machines
+    and lost on the project's AMD EPYC (AVX512-BF16) (docs/PERFORMANCE.md, "Linear kernels").
 
     Args:
         linears: float32 `Linear` objects that hold a gemv copy.

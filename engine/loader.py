@@ -63,7 +63,8 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
         engine.mlas.KernelUnavailable: native weights without onnxruntime (a dependency).
         ValueError: unknown weights mode; native weights on CUDA or without the int4 kernel in
             this torch build; bf16 weights on a CPU without native bfloat16 matmuls (emulated,
-            ~5x slower than fp32); a CUDA device on a machine without one.
+            several times slower than fp32; docs/PERFORMANCE.md, "bf16 mode without native
+            bfloat16 matmuls"); a CUDA device on a machine without one.
     """
     dtype = weights_dtype(weights)
     dev = torch.device(device)
@@ -98,8 +99,8 @@ def release_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
 
     Loading converts every tensor once (GGUF blocks -> float32 -> packed layouts); glibc keeps the
-    freed transients in its arenas, ~0.1 GB (native) to ~0.4 GB (fp32) of resident memory per
-    worker that nothing uses again (measured with VmRSS before and after)."""
+    freed transients in its arenas, resident memory per worker that nothing uses again (measured:
+    docs/PERFORMANCE.md, "KV pool and worker memory")."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -10,26 +10,22 @@ multiplies with integer dot products (AVX512-VNNI / AVX-VNNI where the CPU has t
 AVX-512 integer multiply-adds otherwise), as llama.cpp does for its Q8_0 weights. GGUF's Q8_0
 (``w = d q``, ``q`` int8, 32 per block) maps onto it exactly: codes ``q + 128``, scale ``d``.
 
-Measured on this project's AMD EPYC (AVX-512 with VNNI and BF16), one thread, SmolLM2-135M
-shapes, call overhead included:
-- the 49152 x 576 head, one row: MLAS 1.7-2.0 ms, torch's ``aten._weight_int8pack_mm`` 4.4 ms
-  (it dequantizes every weight to float), a bfloat16 dense matmul 4.7 ms. Taken.
+Where it is used (measured: docs/PERFORMANCE.md, "Q8_0 head on MatMulNBits" and "MatMulNBits
+for the 4-bit projections"):
+- the LM head at one or a few rows: faster than torch's ``aten._weight_int8pack_mm`` (which
+  dequantizes every weight to float) and than a bfloat16 dense matmul. Taken.
 - the 4-bit projections (Q4_1, where a per-block minimum rides on a second small matmul of
-  per-block input sums, since the operator's zero point is an integer): one 576 x 3072 gate/up
-  projection alone, warm, MLAS 65 us against 101 us for torch's
-  ``aten._weight_int4pack_mm_for_cpu``; but all 120 projections of one decode step in turn,
-  their weights no longer in cache, MLAS 8.2 ms (11.0 with the minimum's matmul) against 7.0 ms:
-  a session run costs ~50 us more when its state is cold. Not taken (`engine.quant.Int4Linear`).
-- with more rows MLAS loses to a blocked bfloat16 matmul (32 rows of gate/up: 1028 against
-  644 us), so the head keeps a dense copy for those.
-Not compared on an AVX2-only CPU here.
+  per-block input sums, since the operator's zero point is an integer): faster for one warm
+  projection alone, slower over a decode step's projections with their weights out of cache (a
+  session run's fixed cost is higher when its state is cold). Not taken (`engine.quant.Int4Linear`).
+- with more rows MLAS loses to a blocked bfloat16 matmul, so the head keeps a dense copy for those.
 
 `RowInt8MatMul` is the other int8 path measured here and not taken: int8 activations with one
 scale per row against int8 weights with one scale per output channel (vLLM's CPU W8A8
-scheme), the integer product on onnxruntime's ``MatMulInteger`` (MLAS QGEMM). Its GEMM alone is
-2.2-2.3x a bfloat16 oneDNN matmul at 32 rows, but quantizing the activations and scaling the
-int32 result back are separate eager ops that cost more than that gain (`bench.engine
---linears`; docs/ARCHITECTURE.md, weights modes).
+scheme), the integer product on onnxruntime's ``MatMulInteger`` (MLAS QGEMM). Its GEMM alone
+beats a bfloat16 oneDNN matmul at 32 rows, but quantizing the activations and scaling the int32
+result back are separate eager ops that cost more than that gain (`bench.engine --linears`;
+measured: docs/PERFORMANCE.md, "Batch 32: native against fp32").
 
 The activations' int8 rounding makes results differ from a float matmul by about 0.5% of the
 output's scale (`tests/unit/test_engine_mlas.py` bounds it; llama.cpp's own error is of the

@@ -16,10 +16,10 @@ for many (it is not blocked over rows). `Int4Linear` therefore keeps, beside the
 same weights dequantized once into oneDNN's packed layout and uses that for inputs of more than
 ``max_int4_rows`` rows (prefill chunks, large decode batches): bfloat16 where the CPU multiplies
 bfloat16 natively (AVX512-BF16, AMX), float32 elsewhere (`dense_dtype`). The matmul inputs are cast to
-bfloat16 (the kernel's float32 path is a scalar reference loop, ~10x slower); the outputs come
-back in the caller's dtype, so the rest of the model (norms, rotary, attention, the residual
-stream, the KV pool) stays float32. A model run entirely in bfloat16 drifts: SmolLM2-135M's greedy
-answers change (see `engine.config.WEIGHT_MODES`).
+bfloat16 (the kernel's float32 path is a scalar reference loop: docs/PERFORMANCE.md, "The int4
+kernel's float32 path"); the outputs come back in the caller's dtype, so the rest of the model
+(norms, rotary, attention, the residual stream, the KV pool) stays float32. A model run entirely
+in bfloat16 drifts: SmolLM2-135M's greedy answers change (see `engine.config.WEIGHT_MODES`).
 """
 
 from __future__ import annotations
@@ -222,9 +222,9 @@ class HeadLinear:
     The file stores the (tied) embedding as Q8_0 (int8 codes, one float16 scale per 32 weights).
     A decode step of few sequences reads the whole head (49152 x 576 for SmolLM2-135M), so its
     bytes bound the step: inputs of at most ``max_int8_rows`` rows run onnxruntime's 8-bit
-    MatMulNBits (`engine.mlas`: int8 activations, integer dot products; 1.9-2.0 ms per decode
-    step on this project's AMD EPYC against 4.4-4.7 ms for torch's ``aten._weight_int8pack_mm``,
-    which dequantizes to float) on the Q8_0 codes and scales, recovered exactly from the
+    MatMulNBits (`engine.mlas`: int8 activations, integer dot products; faster than torch's
+    ``aten._weight_int8pack_mm``, which dequantizes to float; measured: docs/PERFORMANCE.md,
+    "Q8_0 head on MatMulNBits") on the Q8_0 codes and scales, recovered exactly from the
     dequantized weight (`engine.mlas.q8_codes`). More rows (prefill, large decode batches, where
     it is slower than a blocked matmul) use a dense copy in `dense_dtype` (bfloat16 rounds
     Q8_0's values ``d * q`` by at most ``|d q| 2^-9 <= 0.25 d``, below Q8_0's own step ``d``).
@@ -235,10 +235,10 @@ class HeadLinear:
     ("What is the capital of France?" answered "L'Etoile..." instead of "The capital...").
     `low_bit` therefore bounds that error for every vocabulary row (per block: a ``[N, K / 32]``
     matrix-vector product) and recomputes exactly, in float32 from the Q8_0 codes, every logit
-    whose bound reaches the best lower bound (median 1, at most ~150 of 49152 in a decode run;
-    0.2-0.3 ms on top of the kernel's 1.9): the greedy token and the logits of every token
-    that could be it are then those of a float matmul with the file's weights, whatever the
-    int8 rounding did.
+    whose bound reaches the best lower bound (a few rows of the vocabulary in practice; how many,
+    and their cost: docs/PERFORMANCE.md, "Q8_0 head on MatMulNBits"): the greedy token and the
+    logits of every token that could be it are then those of a float matmul with the file's
+    weights, whatever the int8 rounding did.
 
     Args:
         weight: ``[out_features, in_features]`` (any float dtype).
@@ -313,12 +313,9 @@ def measure_max_low_bit_rows(linears: list, candidates: tuple[int, ...] = ROW_CA
     Time what a forward pass runs: every layer's projections in turn, whose weights are out of
     cache when each is met (the dense bfloat16 copies of SmolLM2-135M are 4x the int4 bytes and
     ~7x the L3 cache). Timed on one layer alone, its weights stay cached across the repetitions
-    and the dense copy looks better than it is: on this project's AMD EPYC (AVX512-BF16, one
-    thread) layer 0 alone chose 1 row in 11 of 12 tries (2 in the other), at a margin of ~10%
-    (214 against 236 us at one row), though the whole step's projections take 7.1-7.3 ms through
-    the int4 kernel against 16.1-17.6 through the dense copies at one row, 12.0 against 16.0 at
-    four and 22.3 against 20.4 at eight; timed over all 120 they give 4 rows, 12 of 12 tries.
-    Cost: ~0.7 s at load for SmolLM2-135M.
+    and the dense copy looks better than it is: on the project's AMD EPYC (AVX512-BF16) layer 0
+    alone chose fewer rows than the whole step's projections favour. Cost: a fraction of a second
+    at load for SmolLM2-135M. Measured: docs/PERFORMANCE.md, "int4 row threshold".
 
     Args:
         linears: `Int4Linear` or `HeadLinear` objects (anything with ``in_features``,

@@ -239,7 +239,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int | Sampli
     """
     # One pass gives the greedy token and whether the row can be sampled: ``max`` propagates NaN,
     # so the row's maximum is finite exactly when the row has no NaN, no +inf and is not all -inf
-    # (-inf entries alone are masked tokens). 3-8x cheaper than argmax plus isfinite().all().
+    # (-inf entries alone are masked tokens). Cheaper than argmax plus isfinite().all()
+    # (measured: docs/PERFORMANCE.md, "Sampling").
     best, index = logits.max(dim=-1)
     out: list[int | SamplingError] = index.tolist()
     valid = torch.isfinite(best).tolist()
@@ -323,8 +324,8 @@ def draw(cdf: torch.Tensor, u: torch.Tensor) -> int:
         u: ``[1]`` float32, uniform in ``[0, cdf[-1])``.
     A token of probability 0 is never picked (its ``cdf`` entry equals the one before, so no
     ``u`` falls in its interval). The same draw as ``torch.multinomial(probs, 1)`` computes
-    internally, at ~60 us instead of ~1 ms for a 49152-token vocabulary on one core (measured
-    on this project's AMD EPYC: the multinomial draw was 1 ms of a sequence's per-step cost)."""
+    internally, at a fraction of its cost for a large vocabulary (measured: docs/PERFORMANCE.md,
+    "Sampling")."""
     return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
 
 

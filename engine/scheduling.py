@@ -15,13 +15,12 @@ its last chunk, and every prompt of a pass finishes when the pass does. Two rule
    for the later ones. The first prompt in ratio order takes up to ``max_num_batched_tokens``
    (longer ones are chunked); the next ones join whole while the pass stays within
    ``batch_tokens``; the first that does not fit closes the pass. Joining whole rather than with
-   a chunk of what is left gave a lower p50 TTFT on each of three bursts tried with
-   ``bench.prefill.burst`` (a chunked prompt finishes a pass later anyway, and delays the pass it
-   rides in). Measured with ``python -m bench.prefill`` (SmolLM2-135M float32, one thread, this
-   project's 2-core machine): a pass of 16 / 64 / 128 / 256 / 512 tokens computes 208 / 458 / 603 / 645 / 594 tokens/s, so the CPU default is 128
-   (over 90% of the peak); on a GPU the knee lies near the chunk size (vLLM and Sarathi-Serve's
-   token budgets of 512-2048), so the default there is ``max_num_batched_tokens``: one pass as
-   before.
+   a chunk of what is left measured better on the bursts of ``bench.prefill.burst`` (a chunked
+   prompt finishes a pass later anyway, and delays the pass it rides in). The CPU default, 128
+   tokens, is where ``python -m bench.prefill`` found a pass near its peak prefill rate
+   (measured: docs/PERFORMANCE.md, "Prefill scheduling"); on a GPU the knee lies near the chunk
+   size (vLLM and Sarathi-Serve's token budgets of 512-2048), so the default there is
+   ``max_num_batched_tokens``: one pass as before.
 
 `PassBudget`, `by_response_ratio` and `fill_pass` are pure; the prefill worker
 (`prefill.worker.PrefillWorker`) and the generator (`engine.generator.Generator`, the prompts of
@@ -34,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-CPU_BATCH_TOKENS = 128   # the CPU knee measured above (module doc)
+CPU_BATCH_TOKENS = 128   # the CPU knee (module doc; docs/PERFORMANCE.md, "Prefill scheduling")
 
 J = TypeVar("J")
 

@@ -77,8 +77,8 @@ class RouterConfig:
         auto_prefill_backlog_tokens: in ``"auto"`` mode, a prompt at or above the threshold is
             served colocated too while every prefill worker has at least this many prompt tokens
             in flight from this router (0: never; ignored in the other modes; `router.serving`).
-            The default, 1024, is about 1.7 s of prefill on one core of this project's machines
-            (native weights, ~600 tokens/s).
+            The default is 1024 (what that is in prefill time on one core: docs/PERFORMANCE.md,
+            "Serving modes: auto mode's prefill backlog rule").
         prefill_warmup: after a disaggregated request finished, ask its prefill worker (when it
             has a prefix cache) to warm its cache with the prompt + output (``Prefill.Warm``), so
             a conversation's next turn computes only the new message there. Costs prefill

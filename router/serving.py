@@ -21,10 +21,9 @@ The router's ``serving_mode`` (`RouterConfig`) picks between them per request:
   already has ``auto_prefill_backlog_tokens`` prompt tokens or more in flight from this router
   (Dynamo's conditional disaggregation sends a prefill to the prefill queue only while that
   queue is short). Otherwise, at a load the prefill workers cannot keep up with, the prompts
-  queue for them while the decode workers idle between steps: 32 clients in flight on one
-  prefill and one decode worker (native weights, ``python -m loadtest.peers``) saw a TTFT p50 of
-  11.3 s disaggregated and 2.4-2.8 s in auto mode with this rule (118.7 and 109-110 output
-  tokens/s: the decode steps that carry prompt chunks are slower).
+  queue for them while the decode workers idle between steps, and TTFT grows with the queue
+  (measured with ``python -m loadtest.peers``: docs/PERFORMANCE.md, "Serving modes: auto mode's
+  prefill backlog rule"; the decode steps that carry prompt chunks are slower).
 
 In ``colocated`` and ``auto`` modes a decode worker is routable as soon as it registers (it
 needs no prefill peer for Generate), so /health only asks for one decode worker.

@@ -18,9 +18,9 @@ TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
 # KV pool blocks per role when --num-blocks is not given. A decode worker holds every running
 # sequence's KV (2048 blocks: 32 sequences of 1,024 tokens). A prefill worker holds a prompt
 # from its pass until its KV is sent, plus the prefix cache: 1024 blocks fit two prompts of the
-# model's longest context (SmolLM2: 8,192 tokens = 512 blocks); 32 prompts in flight used at
-# most 51 here (docs/ARCHITECTURE.md, "KV pool layout"). Half the blocks is 0.75 GB less RSS in
-# float32.
+# model's longest context (SmolLM2: 8,192 tokens = 512 blocks), far above what a prefill worker
+# uses under load (measured: docs/PERFORMANCE.md, "KV pool and worker memory"). Half the blocks
+# is 0.75 GB less RSS in float32.
 DEFAULT_NUM_BLOCKS = {"prefill": 1024, "decode": 2048}
 
 
@@ -42,7 +42,8 @@ class WorkerConfig:
             for GPUDirect RDMA and needs the verbs transfer engine.
         num_blocks: KV pool blocks of ``block_size`` tokens; 0: the role's default,
             `DEFAULT_NUM_BLOCKS` (a prefill worker holds only the prompts it computes or sends
-            and its prefix cache; docs/ARCHITECTURE.md "KV pool layout" has the measurement).
+            and its prefix cache; docs/PERFORMANCE.md "KV pool and worker memory" has the
+            measurement).
         block_size: tokens per KV block.
         max_num_seqs: decode: most sequences in the running batch (vLLM's default, 256);
             requests whose KV arrived beyond it wait, their blocks held, for a place.

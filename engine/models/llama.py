@@ -43,18 +43,16 @@ class LlamaModel:
                 copy above it (`engine.quant.HeadLinear`). None: measured at load, as
                 ``max_int4_rows``; not the default, since the two paths round the logits
                 differently and a greedy answer whose two best tokens are that close must not
-                depend on a timing (on this project's AMD EPYC, one row: 1.9 against 4.7 ms;
-                four rows: 3.0 against about 5).
+                depend on a timing (measured: docs/PERFORMANCE.md, "Q8_0 head on MatMulNBits").
             gemv_copies: float32 projections keep their plain weights beside oneDNN's packed ones
                 for one-row inputs (`engine.linear.Linear`; more memory), if timing at load finds
                 them faster on this CPU (`engine.linear.gemv_copy_pays`; `self.gemv_copies`).
             kv_dtype: dtype of the KV pool (default: the weights'; `engine.config.KV_CACHE_DTYPES`).
                 K/V are stored in it; on CUDA attention runs in it too, on the CPU in float32
                 on the gathered K/V cast up (bf16 mode: q cast up, the output back down), more
-                accurate and faster: torch's CPU flash attention is
-                3-4x slower in bfloat16 than in float32 (cast included), with AVX512-BF16 (AMD
-                EPYC, one decode step of 1 / 8 / 32 sequences: 0.18 / 1.28 / 6.2 ms against
-                0.06 / 0.29 / 1.55 ms per layer) and without it alike.
+                accurate and faster: torch's CPU flash attention is slower in bfloat16 than in
+                float32 (cast included), with AVX512-BF16 and without it alike (measured:
+                docs/PERFORMANCE.md, "Attention dtype on the CPU").
         Raises:
             ValueError: unknown or unusable linear backend; 4-bit projections on a non-CPU device.
         """
@@ -71,9 +69,10 @@ class LlamaModel:
                              for p in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         if self.quantized and weights.embed.device.type != "cpu":
             raise ValueError("4-bit (native) weights run on the CPU only")
-        # the head before the layers: built after them, 1 process in ~5 ran the int4 projections
-        # 2.5x slower for its whole life (8 -> 20 ms a batch-1 step; none in 22 with this order;
-        # the placement of the packed int4 weights beside onnxruntime's allocations, presumably)
+        # the head before the layers: built after them, some processes ran the int4 projections
+        # slower for their whole life, none with this order (the placement of the packed int4
+        # weights beside onnxruntime's allocations, presumably; measured: docs/PERFORMANCE.md,
+        # "Head build order")
         self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, backend) if self.quantized
                          else Linear(weights.lm_head, backend, gemv_copies))
         self._layers = [_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies) for layer in weights.layers]
