@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Seq
 
-import torch
 
 from engine.attention import SeqChunk
 from engine.config import SchedulerConfig

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.ids import BlockId
-from engine.sampling import SamplingParams, TokenLogprobs
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingError, SamplingParams, TokenLogprobs
 from kvtransfer import KVLayout, PeerId, WriteHandle
-from worker.errors import PrefillAborted
+from worker.errors import PrefillAborted, PrefillError
 
 
 class JobState(enum.IntEnum):
@@ -41,6 +42,34 @@ _NEXT = {
     JobState.DONE: set(),
     JobState.FAILED: set(),
 }
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """A prefill worker's load: blocks, jobs in flight, prompt tokens not yet computed."""
+
+    free_blocks: int
+    total_blocks: int
+    jobs: int
+    queued_prompt_tokens: int
+    draining: bool
+
+
+def check_destination(num_prompt_tokens: int, dst_blocks: list[int], num_held: int, peer_blocks: int,
+                      block_size: int) -> None:
+    """Check a job's destination in the decode pool: ``dst_blocks`` are the distinct blocks, inside
+    the peer's ``peer_blocks``, of the prompt's blocks after the ``num_held`` full ones the decode
+    worker holds. Raises InvalidRequestError naming what is wrong."""
+    need = -(-num_prompt_tokens // block_size)
+    if not 0 <= num_held <= num_prompt_tokens // block_size:
+        raise InvalidRequestError(f"num_held_blocks {num_held} is more than the prompt's full blocks")
+    if len(dst_blocks) != need - num_held:
+        raise InvalidRequestError(f"{len(dst_blocks)} destination blocks for a prompt needing {need} "
+                                  f"of which the decode worker holds {num_held}")
+    if len(set(dst_blocks)) != len(dst_blocks):
+        raise InvalidRequestError("destination block ids are not distinct")
+    if any(not 0 <= b < peer_blocks for b in dst_blocks):
+        raise InvalidRequestError(f"destination block ids outside the decode pool [0, {peer_blocks})")
 
 
 @dataclass(frozen=True)
@@ -141,6 +170,19 @@ class PrefillJob:
                              self.compute_seconds, self.transfer_seconds, self.first_logprobs,
                              self.prompt_logprobs, self.first_tokens, self.first_tokens_logprobs,
                              self.bytes_skipped, self.prefix_hit_tokens)
+
+    def set_first_tokens(self, drawn: list) -> None:
+        """Record the first token (n > 1: every choice's) from its sampling rows' draws, each
+        ``(token or SamplingError, TokenLogprobs or None)``; a choice that could not be sampled
+        fails the job."""
+        bad = next((t for t, _ in drawn if isinstance(t, SamplingError)), None)
+        if bad is not None:
+            self.fail(PrefillError(f"sampling the first token failed: {bad}"))
+            return
+        self.first_token, self.first_logprobs = drawn[0]
+        if self.params.n > 1:
+            self.first_tokens = [t for t, _ in drawn]
+            self.first_tokens_logprobs = [lp for _, lp in drawn if lp is not None]
 
     def add_done_callback(self, callback: Callable[["PrefillJob"], None]) -> None:
         """Call ``callback(job)`` once the job finished (at once if it has); from the thread

@@ -42,7 +42,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from engine.attention import SeqChunk
 from engine.errors import CapacityError, InvalidRequestError
@@ -50,11 +49,11 @@ from engine.grammar import Grammars, matcher_for
 from engine.kv_cache import blocks_needed
 from engine.models.base import check_pool
 from engine.runner import ModelRunner
-from engine.sampling import Row, SamplingError, SamplingParams, child_params
+from engine.sampling import Row, SamplingParams, child_params
 from engine.scheduling import PassBudget, RateMeter, by_response_ratio, default_batch_tokens, fill_pass
 from kvtransfer import EndpointInfo
 from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
-from prefill.job import JobState, PrefillJob
+from prefill.job import JobState, PrefillJob, PrefillLoad, check_destination
 from prefill.sender import KVSender
 from prefill.warmup import Preempted, WarmupQueue
 from worker.errors import CacheDisabledError, DrainingError, PrefillAborted, PrefillError, PrefillTimeout
@@ -63,17 +62,6 @@ from worker.runtime import WorkerResources
 from worker.validate import check_request_id, check_seconds
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillLoad:
-    """A prefill worker's load: blocks, jobs in flight, prompt tokens not yet computed."""
-
-    free_blocks: int
-    total_blocks: int
-    jobs: int
-    queued_prompt_tokens: int
-    draining: bool
 
 
 class PrefillWorker:
@@ -135,16 +123,8 @@ class PrefillWorker:
         peer = self.sender.peers.get(decode_worker_id)
         if peer is None:
             raise PrefillError(f"not connected to decode worker {decode_worker_id!r}")
+        check_destination(len(token_ids), dst_blocks, num_held, peer.layout.num_blocks, self.res.pool.block_size)
         need = blocks_needed(len(token_ids), self.res.pool.block_size)
-        if not 0 <= num_held <= len(token_ids) // self.res.pool.block_size:
-            raise InvalidRequestError(f"num_held_blocks {num_held} is more than the prompt's full blocks")
-        if len(dst_blocks) != need - num_held:
-            raise InvalidRequestError(f"{len(dst_blocks)} destination blocks for a prompt needing {need} "
-                                      f"of which the decode worker holds {num_held}")
-        if len(set(dst_blocks)) != len(dst_blocks):
-            raise InvalidRequestError("destination block ids are not distinct")
-        if any(not 0 <= b < peer.layout.num_blocks for b in dst_blocks):
-            raise InvalidRequestError(f"destination block ids outside the decode pool [0, {peer.layout.num_blocks})")
         if need > self.res.pool.num_blocks:
             raise CapacityError(f"prompt needs {need} blocks; the prefill pool holds {self.res.pool.num_blocks}")
         lease = self.res.config.prefill_timeout_s
@@ -356,7 +336,7 @@ class PrefillWorker:
                         self.sender.finish(job)
             at = 0
             for job in finishing:
-                self._first_tokens(job, drawn[at:at + job.params.n])
+                job.set_first_tokens(drawn[at:at + job.params.n])
                 at += job.params.n
                 if not job.stopped:
                     self.sender.count(job)
@@ -368,16 +348,3 @@ class PrefillWorker:
                 job.move(JobState.TRANSFERRING)
         for job in finishing:
             self.sender.finish(job)
-
-    @staticmethod
-    def _first_tokens(job: PrefillJob, drawn: list) -> None:
-        """Record the first token (n > 1: every choice's) of ``job`` from its rows' draws; a
-        choice that could not be sampled fails the job."""
-        bad = next((t for t, _ in drawn if isinstance(t, SamplingError)), None)
-        if bad is not None:
-            job.fail(PrefillError(f"sampling the first token failed: {bad}"))
-            return
-        job.first_token, job.first_logprobs = drawn[0]
-        if job.params.n > 1:
-            job.first_tokens = [t for t, _ in drawn]
-            job.first_tokens_logprobs = [lp for _, lp in drawn if lp is not None]
