@@ -41,9 +41,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
-from decode.state import (DecodeArrivals, DecodeLoad, QueueSink, Reservation, ResState,  # noqa: F401
-                          Sink)   # QueueSink, Sink: re-exported
+from decode.arrivals import DecodeArrivals
+from decode.reservation import Reservation, ResState
+from decode.sink import Sink
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import Generator, StepOutput, validate_request
@@ -62,6 +64,18 @@ from worker.validate import check_request_id
 log = logging.getLogger(__name__)
 
 MAX_WRITES_PER_REQUEST = 1 << 24   # far above any plan: layers x 2 x blocks
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A decode worker's load: blocks, sequences decoding or queued, reservations not decoding."""
+
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting_kv: int
+    reserved_blocks: int
+    draining: bool
 
 
 class DecodeWorker:
