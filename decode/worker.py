@@ -46,11 +46,12 @@ from dataclasses import dataclass
 from decode.arrivals import DecodeArrivals
 from decode.reservation import Reservation, ResState
 from decode.sink import Sink
+from engine.block_hash import block_hashes
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import Generator, StepOutput, validate_request
 from engine.grammar import Grammars, matcher_for
-from engine.kv_cache import block_hashes, blocks_needed
+from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
 from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason

@@ -28,11 +28,12 @@ from typing import Iterable, Sequence as Seq
 import torch
 
 from engine.attention import ForwardBatch, SeqChunk
+from engine.block_hash import block_hashes
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from engine.grammar import Grammars, matcher_for
 from engine.ids import BlockId, RequestId
-from engine.kv_cache import KVPool, block_hashes, blocks_needed
+from engine.kv_cache import KVPool, blocks_needed
 from engine.model import LlamaModel
 from engine.sampling import (SamplingError, SamplingParams, TokenLogprobs, child_params, compute_logprobs,
                              prompt_logprobs_of, sample)

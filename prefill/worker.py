@@ -44,9 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import ForwardBatch, SeqChunk
+from engine.block_hash import block_hashes
 from engine.errors import CapacityError, InvalidRequestError
 from engine.generator import validate_request
-from engine.kv_cache import block_hashes, blocks_needed
+from engine.kv_cache import blocks_needed
 from engine.grammar import Grammars, matcher_for
 from engine.sampling import (Row, SamplingError, SamplingParams, child_params, compute_logprobs,
                              prompt_logprobs_of, sample)

@@ -20,7 +20,7 @@ from enum import IntEnum
 
 from kvtransfer.errors import EngineUnavailableError, NoRdmaDeviceError, TransferError
 from kvtransfer.immediate import to_network_u32
-from kvtransfer.verbs.compat import PYVERBS_MISSING, import_pyverbs  # noqa: F401  (re-exported)
+from kvtransfer.verbs.compat import import_pyverbs
 
 # ibv enum values (verbs.h ABI, stable): used so pure helpers need no pyverbs import.
 IBV_QPS_RESET, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPS_ERR = 0, 1, 2, 3, 6
