@@ -236,7 +236,7 @@ def run_engine(kind: str, src_pool: torch.Tensor, blob: bytes, shape: Shape, ite
 def verbs_note(tx_dev: str, rx_dev: str) -> str:
     """What the verbs rows measured: the devices, and whether they are software (a software RDMA
     device has a ``parent`` netdev in sysfs: rxe, siw)."""
-    from kvtransfer.verbs_support import list_rdma_devices
+    from kvtransfer.verbs.support import list_rdma_devices
     first = list_rdma_devices()[0]
     tx, rx = tx_dev or first, rx_dev or first
     software = [d for d in {tx, rx} if os.path.exists(f"/sys/class/infiniband/{d}/parent")]

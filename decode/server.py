@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from decode.service import DecodeService
-from decode.worker import DecodeArrivals, DecodeWorker
+from decode.arrivals import DecodeArrivals
+from decode.worker import DecodeWorker
 from worker.config import WorkerConfig
 from worker.runtime import WorkerServer, build_resources
 

@@ -1,5 +1,5 @@
 """gRPC `Decode` service (``grpc.aio``) over a `DecodeWorker`; the contract of each RPC is in
-rpc/pdserve.proto, the exception -> status table in `worker.status`.
+rpc/pdserve.proto, the exception -> status table in `worker.grpc_status`.
 
 Calls that take the worker's locks run in the server's ``decode-ctl`` executor; streams are
 coroutines reading the request's `AsyncSink` (no thread per stream). A stream that ends before
@@ -18,11 +18,11 @@ from engine.sequence import FinishReason
 from kvtransfer import EndpointInfo
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
+from worker.async_sink import AsyncSink
 from worker.convert import logprobs_to_proto, sampling_from_proto
+from worker.grpc_status import stream, unary
 from worker.liveness import check
 from worker.runtime import WorkerResources
-from worker.sink import AsyncSink
-from worker.status import stream, unary
 
 log = logging.getLogger(__name__)
 

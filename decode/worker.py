@@ -41,14 +41,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
-from decode.state import (DecodeArrivals, DecodeLoad, QueueSink, Reservation, ResState,  # noqa: F401
-                          Sink)   # QueueSink, Sink: re-exported
+from decode.arrivals import DecodeArrivals
+from decode.reservation import Reservation, ResState
+from decode.sink import Sink
+from engine.block_hash import block_hashes
 from engine.config import SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
+from engine.ids import BlockId
 from engine.generator import Generator, StepOutput
 from engine.grammar import Grammars, matcher_for
-from engine.kv_cache import block_hashes, blocks_needed
+from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingParams
 from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason
@@ -62,6 +66,18 @@ from worker.validate import check_request_id
 log = logging.getLogger(__name__)
 
 MAX_WRITES_PER_REQUEST = 1 << 24   # far above any plan: layers x 2 x blocks
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A decode worker's load: blocks, sequences decoding or queued, reservations not decoding."""
+
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting_kv: int
+    reserved_blocks: int
+    draining: bool
 
 
 class DecodeWorker:

@@ -13,7 +13,7 @@ the writer is known to have stopped.
 
 Prefix caching (vLLM's automatic prefix caching, at block granularity): a full block whose K/V
 are final can be `BlockAllocator.register`-ed under the chained hash of the tokens it holds and
-of every token before it (`block_hashes`). When its last reference goes, a registered block is
+of every token before it (`engine.block_hash.block_hashes`). When its last reference goes, a registered block is
 not wiped: it waits in an LRU of cached blocks, still counted as free, and `lookup` hands it
 (with a new reference) to a later request whose prompt starts with the same tokens. Allocation
 takes never-registered blocks first, then evicts the least recently used cached block. A block
@@ -33,7 +33,6 @@ from typing import Iterable, Sequence
 
 import torch
 
-from engine.block_hash import block_hashes  # noqa: F401  (re-exported)
 from engine.config import CacheConfig, ModelConfig
 from engine.errors import CapacityError
 from engine.ids import BlockId

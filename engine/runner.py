@@ -31,7 +31,8 @@ import torch
 from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.ids import BlockId
-from engine.kv_cache import KVPool, block_hashes, blocks_needed
+from engine.block_hash import block_hashes
+from engine.kv_cache import KVPool, blocks_needed
 from engine.models.base import CausalLM, LayerCallback
 from engine.sampling import (SampleRow, SamplingError, SamplingParams, TokenLogprobs, compute_logprobs,
                              prompt_logprobs_of, sample)

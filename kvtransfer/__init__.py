@@ -73,7 +73,7 @@ def _shm(config: EngineConfig, arrivals: ArrivalHandler | None) -> TransferEngin
 
 
 def _verbs(config: EngineConfig, arrivals: ArrivalHandler | None) -> TransferEngine:
-    from kvtransfer.verbs import VerbsEngine
+    from kvtransfer.verbs.engine import VerbsEngine
     return VerbsEngine(config, arrivals)
 
 

@@ -38,7 +38,7 @@ class PrimaryChoice:
 def choose_primary(config: EngineConfig, shared: Shared) -> tuple[TransferEngine, PrimaryChoice]:
     """Build the primary engine (see the module docstring). Raises only what tcp raises."""
     from kvtransfer.tcp import TcpEngine
-    from kvtransfer.verbs_support import list_rdma_devices
+    from kvtransfer.verbs.support import list_rdma_devices
 
     try:
         list_rdma_devices()
@@ -46,7 +46,7 @@ def choose_primary(config: EngineConfig, shared: Shared) -> tuple[TransferEngine
         log.info("transfer engine auto: tcp (%s)", exc)
         return TcpEngine(config, shared=shared), PrimaryChoice("tcp", f"verbs not possible: {exc}")
     try:
-        from kvtransfer.verbs import VerbsEngine
+        from kvtransfer.verbs.engine import VerbsEngine
         engine = VerbsEngine(config, shared=shared)
     except Exception as exc:   # noqa: BLE001 - whatever broke verbs set-up, the worker falls back
         log.warning("transfer engine auto: verbs set-up failed (%s: %s); falling back to tcp",

@@ -97,8 +97,8 @@ def _limit(value: int) -> str:
 
 
 def _ports() -> tuple[list[PortRow], str]:
-    from kvtransfer.verbs_device import query_port
-    from kvtransfer.verbs_support import bytes_to_gid, list_rdma_devices
+    from kvtransfer.verbs.device import query_port
+    from kvtransfer.verbs.support import bytes_to_gid, list_rdma_devices
 
     try:
         names = list_rdma_devices()
@@ -123,7 +123,7 @@ def _gpus() -> tuple[bool, list[GpuRow]]:
 
     if not torch.cuda.is_available():
         return False, []
-    from kvtransfer.verbs_gpu import dmabuf_supported
+    from kvtransfer.verbs.gpu import dmabuf_supported
     return True, [GpuRow(i, torch.cuda.get_device_name(i), dmabuf_supported(i))
                   for i in range(torch.cuda.device_count())]
 
@@ -132,8 +132,8 @@ def diagnose(config: EngineConfig) -> DoctorReport:
     """Look at this host (see the module docstring). Never raises for what it finds missing."""
     from kvtransfer.auto import choose_primary
     from kvtransfer.connection import Shared
-    from kvtransfer.verbs_compat import version
-    from kvtransfer.verbs_gpu import peermem_loaded
+    from kvtransfer.verbs.compat import version
+    from kvtransfer.verbs.gpu import peermem_loaded
 
     try:
         pv = version()

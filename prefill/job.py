@@ -9,11 +9,13 @@ States (one transition function, `PrefillJob.move`; FAILED and DONE are absorbin
 A job fails through `PrefillJob.fail` only (the first error wins; an aborted or failed job posts
 no more writes). It is *finished* once it is DONE or FAILED **and** every write it posted has
 completed: only then are its source blocks free and its done callbacks called, which is what
-"abort acknowledged" means to the decode side's block-reuse rule.
+"abort acknowledged" means to the decode side's block-reuse rule. A coroutine awaits that with
+`wait_finished`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import threading
 import time
@@ -200,3 +202,21 @@ class PrefillJob:
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
+
+
+async def wait_finished(job, timeout_s: float | None) -> bool:
+    """Wait (without blocking the loop) until ``job`` (anything with ``add_done_callback(fn)``
+    calling ``fn(job)`` once finished) finishes; False if ``timeout_s`` (None: no limit) passed
+    first."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def _finished(_job) -> None:
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    job.add_done_callback(_finished)
+    try:
+        await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        return False

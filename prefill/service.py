@@ -1,5 +1,5 @@
 """gRPC `Prefill` service (``grpc.aio``) over a `PrefillWorker`; the contract of each RPC is in
-rpc/pdserve.proto, the exception -> status table in `worker.status`.
+rpc/pdserve.proto, the exception -> status table in `worker.grpc_status`.
 
 A Prefill call is a coroutine awaiting its job's done callback (no thread waits for compute or
 transfer); a call cancelled by its caller aborts the job. Abort answers once the job's posted
@@ -13,15 +13,15 @@ import asyncio
 import logging
 
 from kvtransfer import EndpointInfo
+from prefill.job import wait_finished
 from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from worker.convert import logprobs_to_proto, sampling_from_proto
 from worker.errors import PrefillTimeout
+from worker.grpc_status import unary
 from worker.liveness import check
 from worker.runtime import WorkerResources
-from worker.sink import wait_finished
-from worker.status import unary
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from collections import deque
 from collections.abc import Callable
 
 from engine.attention import SeqChunk
+from engine.block_hash import block_hashes
 from engine.errors import CapacityError
-from engine.kv_cache import KVPool, block_hashes
+from engine.kv_cache import KVPool
 from engine.sampling import SamplingParams
 from prefill.job import JobState, PrefillJob
 from worker.errors import WarmupDropped

@@ -39,15 +39,15 @@ from router.config import RouterConfig
 from router.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, RequestTooLarge, RouterError
 from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.orchestrator import Delta, GenerationRequest, Orchestrator
+from router.orchestrator import Orchestrator
 from router.policy import make_policy
 from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, chat_messages,
                              check_lengths, check_unicode, effective_temperature, prompt_of,
                              choice_counts, prompt_logprobs_k, requested_logprobs, requested_max_tokens, stop_strings, token_id_fields,
                              validate_sampling)
-from router.render import Output, collect, stream
-from router.responses import Shape, error_body, router_error_body
+from router.request import Delta, GenerationRequest
+from router.response_bodies import Output, Shape, collect, error_body, router_error_body, stream
 from router.serving import healthy
 from router.structured import constrained, grammar_of
 from router.tools import plan_tools, render_messages

@@ -48,14 +48,14 @@ import grpc
 
 from engine.block_hash import block_hashes
 from router.admission import Admission
-from router.clients import (Reservation, TokenStream, WorkerCallError, WorkerClient, WorkerFailed,
+from router.clients import (TokenStream, WorkerCallError, WorkerClient, WorkerFailed,
                             WorkerFull, WorkerRejected)
 from router.config import RouterConfig
 from router.errors import InvalidRequest, NoWorkers, UpstreamError
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
 from router.policy import Inflight, Policy, avoid_last, sequence_blocks
-from router.request import Delta, GenerationRequest, Holding  # noqa: F401  (re-exported)
+from router.request import Delta, GenerationRequest, Holding
 from router.serving import ServingPath, choose_path, prefill_backlogged
 from router.warmup import Warmups
 from rpc import pdserve_pb2 as pb

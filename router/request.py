@@ -1,5 +1,5 @@
 """What the router's API layer hands the orchestrator (`GenerationRequest`) and what it gets
-back (`Delta`), shared by `router.orchestrator`, `router.render` and `router.api`."""
+back (`Delta`), shared by `router.orchestrator`, `router.response_bodies` and `router.api`."""
 
 from __future__ import annotations
 

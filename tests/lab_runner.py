@@ -27,7 +27,7 @@ _FORWARDED_ENV = ("PDSERVE_REQUIRE",)
 
 def _device_here() -> bool:
     try:
-        from kvtransfer.verbs_support import rdma_device_available
+        from kvtransfer.verbs.support import rdma_device_available
         return rdma_device_available()
     except Exception:   # noqa: BLE001 - no pyverbs, no device: not here
         return False

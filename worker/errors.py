@@ -1,6 +1,6 @@
 """Typed errors of the worker services (both roles).
 
-Each one maps to exactly one gRPC status in `worker.status` (the wire contract documented in
+Each one maps to exactly one gRPC status in `worker.grpc_status` (the wire contract documented in
 ``rpc/pdserve.proto``); engine and data-plane errors map there too.
 """
 

@@ -12,10 +12,12 @@ import time
 
 import pytest
 
+from decode.arrivals import DecodeArrivals
 from decode.server import NUM_TRANSFER_SLOTS
-from decode.worker import DecodeArrivals, DecodeWorker, QueueSink
+from decode.sink import QueueSink
+from decode.worker import DecodeWorker
+from engine.block_hash import block_hashes
 from engine.config import CacheConfig
-from engine.kv_cache import block_hashes
 from engine.loader import build_generator
 from engine.sampling import SamplingParams
 from prefill.worker import PrefillWorker

@@ -44,7 +44,7 @@ START = "forkserver"
 
 def _with_device(overrides: dict) -> dict:
     """Name lab devices only where they exist (a host with its own NIC uses its first device)."""
-    from kvtransfer.verbs_support import list_rdma_devices
+    from kvtransfer.verbs.support import list_rdma_devices
     verbs = overrides.get("verbs")
     if verbs and verbs.get("device") not in list_rdma_devices():
         return {**overrides, "verbs": {k: v for k, v in verbs.items() if k != "device"}}

@@ -15,8 +15,9 @@ from router.config import RouterConfig
 from router.errors import UpstreamError
 from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.orchestrator import GenerationRequest, Orchestrator
+from router.orchestrator import Orchestrator
 from router.policy import make_policy
+from router.request import GenerationRequest
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pbg
 

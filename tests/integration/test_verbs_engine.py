@@ -18,7 +18,7 @@ import torch
 
 from kvtransfer import (CompletionCounter, EndpointInfo, EngineConfig, VerbsConfig, WriteOp, create_engine,
                         pack_immediate)
-from kvtransfer.verbs_support import list_rdma_devices
+from kvtransfer.verbs.support import list_rdma_devices
 
 pytestmark = [pytest.mark.integration, pytest.mark.rdma, pytest.mark.timeout(900)]
 SECRET = b"verbs-engine-test-secret-012345"
@@ -46,8 +46,8 @@ def _roundtrip(tx, rx, counter, nbytes: int = 1 << 20) -> None:
 def test_port_gid_and_mtu_come_from_the_device():
     """Asked for 4096, the QPs use the port's active MTU (1024 on rxe over 1500-byte Ethernet);
     the GID is a RoCE v2 one, IPv4-mapped where the table has one."""
-    from kvtransfer.verbs import VerbsEngine
-    from kvtransfer.verbs_support import MTU_BYTES, QP_PATH_MTU
+    from kvtransfer.verbs.engine import VerbsEngine
+    from kvtransfer.verbs.support import MTU_BYTES, QP_PATH_MTU
 
     counter = CompletionCounter(4)
     with VerbsEngine(cfg(mtu=4096), counter) as rx, VerbsEngine(cfg(mtu=4096)) as tx:

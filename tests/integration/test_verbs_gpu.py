@@ -26,7 +26,7 @@ def _cuda():
 
 
 def test_cuda_pool_is_registered_and_written_by_gpudirect():
-    from kvtransfer.verbs_gpu import dmabuf_supported, peermem_loaded
+    from kvtransfer.verbs.gpu import dmabuf_supported, peermem_loaded
     pool = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda")
     src = torch.randint(0, 255, (1 << 22,), dtype=torch.uint8)
     counter = CompletionCounter(4)

@@ -9,9 +9,11 @@ import time
 
 import pytest
 
+from decode.arrivals import DecodeArrivals
 from decode.server import NUM_TRANSFER_SLOTS
 from decode.service import DecodeService
-from decode.worker import DecodeArrivals, DecodeWorker, QueueSink
+from decode.sink import QueueSink
+from decode.worker import DecodeWorker
 from engine.sampling import SamplingParams
 from prefill.service import PrefillService
 from prefill.worker import PrefillWorker

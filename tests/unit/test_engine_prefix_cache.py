@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import BlockAllocator, block_hashes
+from engine.block_hash import block_hashes
+from engine.kv_cache import BlockAllocator
 
 pytestmark = pytest.mark.unit
 

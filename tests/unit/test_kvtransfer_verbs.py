@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from kvtransfer import EngineUnavailableError, TransferError, VerbsConfig
-from kvtransfer.verbs_support import (HELLO, IBV_ACCESS_REMOTE_WRITE, IBV_LINK_LAYER_ETHERNET,
+from kvtransfer.verbs.support import (HELLO, IBV_ACCESS_REMOTE_WRITE, IBV_LINK_LAYER_ETHERNET,
                                       IBV_LINK_LAYER_INFINIBAND, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS,
                                       IBV_SEND_SIGNALED, IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, MSG_RECONNECT,
                                       MTU_ENUM, QP_INFO_SIZE, Credits, GidEntry, QpInfo, WrKind, bytes_to_gid,
@@ -125,7 +125,7 @@ def test_bootstrap_messages():
 
 
 def _pyverbs_or_skip():
-    from kvtransfer.verbs_compat import import_pyverbs
+    from kvtransfer.verbs.compat import import_pyverbs
     try:
         import_pyverbs()
     except EngineUnavailableError as exc:
@@ -134,8 +134,8 @@ def _pyverbs_or_skip():
 
 def test_compat_resolves_enum_names_in_this_pyverbs():
     _pyverbs_or_skip()
-    from kvtransfer.verbs_compat import enum, version
-    from kvtransfer.verbs_support import IBV_QPS_ERR, IBV_WC_RECV_RDMA_WITH_IMM, QP_DEST_QPN
+    from kvtransfer.verbs.compat import enum, version
+    from kvtransfer.verbs.support import IBV_QPS_ERR, IBV_WC_RECV_RDMA_WITH_IMM, QP_DEST_QPN
     assert enum("IBV_QPT_RC") == 2
     assert enum("IBV_QPS_ERR") == IBV_QPS_ERR and enum("IBV_WC_RECV_RDMA_WITH_IMM") == IBV_WC_RECV_RDMA_WITH_IMM
     assert enum("IBV_QP_DEST_QPN") == QP_DEST_QPN   # the ABI constants used without pyverbs agree
@@ -150,23 +150,23 @@ def test_compat_resolves_names_held_in_enum_classes(monkeypatch):
     import enum as std_enum
     import types
 
-    from kvtransfer import verbs_compat
+    from kvtransfer.verbs import compat
 
     class ibv_qp_type(std_enum.IntEnum):
         IBV_QPT_RC = 2
 
     fake = types.ModuleType("pyverbs.libibverbs_enums")
     fake.ibv_qp_type = ibv_qp_type
-    monkeypatch.setattr(verbs_compat, "_enum_modules", lambda: (fake,))
-    verbs_compat.enum.cache_clear()
+    monkeypatch.setattr(compat, "_enum_modules", lambda: (fake,))
+    compat.enum.cache_clear()
     try:
-        assert verbs_compat.enum("IBV_QPT_RC") == 2
+        assert compat.enum("IBV_QPT_RC") == 2
     finally:
-        verbs_compat.enum.cache_clear()
+        compat.enum.cache_clear()
 
 
 def test_without_a_device_verbs_says_why_and_auto_falls_back_to_tcp():
-    from kvtransfer.verbs_support import rdma_device_available
+    from kvtransfer.verbs.support import rdma_device_available
     if rdma_device_available():
         pytest.skip("an RDMA device is present")
     from kvtransfer import EngineConfig, create_engine

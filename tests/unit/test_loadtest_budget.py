@@ -9,12 +9,12 @@ def test_the_innermost_project_frame_decides_the_bucket():
     step = ("MainThread;_loop (decode/worker.py:470);_step (decode/worker.py:453);step (engine/generator.py:190);"
             "forward (engine/models/llama.py:95);__call__ (engine/quant.py:178)")
     assert classify(step, "decode") == "engine step"
-    finish = "decode-loop;_loop (decode/worker.py:470);_finish (decode/worker.py:380);put (worker/sink.py:40)"
+    finish = "decode-loop;_loop (decode/worker.py:470);_finish (decode/worker.py:380);put (worker/async_sink.py:40)"
     assert classify(finish, "decode") == "gRPC"
     assert classify("decode-loop;_loop (decode/worker.py:470);_admit_arrived (decode/worker.py:390)",
                     "decode") == "worker bookkeeping"
     assert classify("Thread-3;run (threading.py:982);_poll (kvtransfer/connection.py:88)", "prefill") == "kv send"
-    sse = "MainThread;run (uvicorn/server.py:60);app (starlette/routing.py:70);chunk (router/responses.py:33)"
+    sse = "MainThread;run (uvicorn/server.py:60);app (starlette/routing.py:70);chunk (router/response_bodies.py:33)"
     assert classify(sse, "router") == "JSON/SSE"
     assert classify("MainThread;run (uvicorn/server.py:60);recv (h11/_connection.py:400)", "router") == "HTTP"
     assert classify("MainThread;select (selectors.py:468)", "router") == "other"

@@ -1,7 +1,7 @@
 """Device-free parts of the verbs engine: device listing, the QP connection record exchanged at
 bootstrap, the attributes of each QP state transition, GID choice, work-request ids and fields,
 and the send budget. Everything here is unit-tested without an RDMA device;
-:mod:`kvtransfer.verbs` and :mod:`kvtransfer.verbs_device` feed these values into pyverbs.
+:mod:`kvtransfer.verbs.engine` and :mod:`kvtransfer.verbs.device` feed these values into pyverbs.
 
 Sources: ``infiniband/verbs.h`` (ABI constants, stable across rdma-core releases), the IB
 Architecture Specification vol. 1 (QP state machine 10.3, RNR NAK timer table 45, local ACK
@@ -20,7 +20,7 @@ from enum import IntEnum
 
 from kvtransfer.errors import EngineUnavailableError, NoRdmaDeviceError, TransferError
 from kvtransfer.immediate import to_network_u32
-from kvtransfer.verbs_compat import PYVERBS_MISSING, import_pyverbs  # noqa: F401  (re-exported)
+from kvtransfer.verbs.compat import import_pyverbs
 
 # ibv enum values (verbs.h ABI, stable): used so pure helpers need no pyverbs import.
 IBV_QPS_RESET, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPS_ERR = 0, 1, 2, 3, 6

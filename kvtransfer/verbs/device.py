@@ -24,8 +24,8 @@ import torch
 
 from kvtransfer.config import VerbsConfig
 from kvtransfer.errors import EngineUnavailableError, NoRdmaDeviceError, TransferError
-from kvtransfer.verbs_compat import comp_channel_fd, enum, import_pyverbs, new_event_fds
-from kvtransfer.verbs_support import (IBV_ACCESS_LOCAL_WRITE, IBV_LINK_LAYER_ETHERNET, IBV_PORT_ACTIVE,
+from kvtransfer.verbs.compat import comp_channel_fd, enum, import_pyverbs, new_event_fds
+from kvtransfer.verbs.support import (IBV_ACCESS_LOCAL_WRITE, IBV_LINK_LAYER_ETHERNET, IBV_PORT_ACTIVE,
                                       LINK_LAYERS, MTU_BYTES, PORT_STATES, GidEntry, WrKind, choose_gid,
                                       gid_to_bytes, list_rdma_devices, make_wr_id)
 

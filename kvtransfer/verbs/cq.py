@@ -2,7 +2,7 @@
 the send budget and every QP's life after it is connected.
 
 What it does, each round: poll the CQ dry and dispatch each completion on its ``wr_id``
-(:class:`~kvtransfer.verbs_support.WrKind`; a failed completion's opcode is undefined); refill the
+(:class:`~kvtransfer.verbs.support.WrKind`; a failed completion's opcode is undefined); refill the
 SRQ in batches; post queued writes while the send budget allows; run queued commands (tear a QP
 down); expire drain deadlines; then wait. Waiting is ``select()`` on the completion channel's fd,
 the async-event fd and a wake pipe (``cq_mode="event"``), or a 0.1-10 ms backoff
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 from kvtransfer.config import VerbsConfig
 from kvtransfer.connection import Shared, ThreadGroup
-from kvtransfer.errors import KVTransferError, PeerLostError, RemoteAccessError, TransferError
+from kvtransfer.errors import KVTransferError, PeerLostError, RemoteAccessError
 from kvtransfer.immediate import from_network_u32
-from kvtransfer.verbs_device import Device, async_event_name
-from kvtransfer.verbs_qp import QpState, RcQp, destroy, post_chain, post_drain_marker, to_error
-from kvtransfer.verbs_support import (IBV_QPS_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR,
+from kvtransfer.verbs.device import Device, async_event_name
+from kvtransfer.verbs.qp import QpState, RcQp, destroy, post_chain, post_drain_marker, to_error
+from kvtransfer.verbs.support import (IBV_QPS_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR,
                                       QP_STATE, WC_STATUS_NAMES, Credits, WriteWithImm, WrKind, make_wr_id,
                                       split_wr_id)
 

@@ -28,21 +28,3 @@ class AsyncSink:
     def get_nowait(self):
         """The next item if one is there, else raises `asyncio.QueueEmpty`."""
         return self._queue.get_nowait()
-
-
-async def wait_finished(job, timeout_s: float | None) -> bool:
-    """Wait (without blocking the loop) until ``job`` (anything with ``add_done_callback(fn)``
-    calling ``fn(job)`` once finished) finishes; False if ``timeout_s`` (None: no limit) passed
-    first."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def _finished(_job) -> None:
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
-
-    job.add_done_callback(_finished)
-    try:
-        await asyncio.wait_for(asyncio.shield(done), timeout_s)
-        return True
-    except asyncio.TimeoutError:
-        return False

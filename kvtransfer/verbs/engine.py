@@ -1,9 +1,9 @@
 """``verbs``: RDMA WRITE WITH IMMEDIATE over RC queue pairs (pyverbs, lazily imported).
 
-Pieces: :mod:`~kvtransfer.verbs_device` (context, PD, CQ, SRQ, port and GID),
-:mod:`~kvtransfer.verbs_qp` (one QP's states), :mod:`~kvtransfer.verbs_cq` (the completion
-loop: CQ, budget, teardown), :mod:`~kvtransfer.verbs_bootstrap` (handshakes, the socket watch),
-:mod:`~kvtransfer.verbs_gpu` (CUDA registration and flush), :mod:`~kvtransfer.verbs_compat`
+Pieces: :mod:`~kvtransfer.verbs.device` (context, PD, CQ, SRQ, port and GID),
+:mod:`~kvtransfer.verbs.qp` (one QP's states), :mod:`~kvtransfer.verbs.cq` (the completion
+loop: CQ, budget, teardown), :mod:`~kvtransfer.verbs.bootstrap` (handshakes, the socket watch),
+:mod:`~kvtransfer.verbs.gpu` (CUDA registration and flush), :mod:`~kvtransfer.verbs.compat`
 (pyverbs releases). This module is the engine: memory, peers, posting, the contract.
 
 Lifecycle of a writer's peer (``connect`` .. ``disconnect``)::
@@ -46,11 +46,11 @@ from kvtransfer.connection import Listener, Shared, ThreadGroup
 from kvtransfer.endpoint import EndpointInfo, MemoryRegion, TransportAddress, TransportKind, local_host_id
 from kvtransfer.errors import (AuthError, KVTransferError, PeerLostError,
                                RemoteAccessError, TransferError)
-from kvtransfer.verbs_bootstrap import SocketWatch, read_qp_list, receiver_handshake, writer_handshake
-from kvtransfer.verbs_cq import CompletionLoop, QueuedWrite
-from kvtransfer.verbs_device import Device
-from kvtransfer.verbs_qp import QpState, RcQp, connect_qp, create_qp, destroy, local_info
-from kvtransfer.verbs_support import (IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, MSG_BYE, MSG_RECONNECT,
+from kvtransfer.verbs.bootstrap import SocketWatch, read_qp_list, receiver_handshake, writer_handshake
+from kvtransfer.verbs.cq import CompletionLoop, QueuedWrite
+from kvtransfer.verbs.device import Device
+from kvtransfer.verbs.qp import QpState, RcQp, connect_qp, create_qp, destroy, local_info
+from kvtransfer.verbs.support import (IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, MSG_BYE, MSG_RECONNECT,
                                       MSG_RECONNECTED, bytes_to_gid, gid_to_bytes, pack_qp_list,
                                       rdma_device_available, write_with_imm)
 
@@ -149,13 +149,13 @@ class VerbsEngine(TransferEngine):
     def register_memory(self, memory: Memory, *, shared: object | None = None) -> MemoryRegion:
         """Host memory: ``ibv_reg_mr`` (also entered in the shared memory table, so shm in
         ``auto`` sees it). CUDA memory: dma-buf, else nvidia-peermem
-        (:func:`kvtransfer.verbs_gpu.register_cuda`; the region's ``addr`` is then the MR's
+        (:func:`kvtransfer.verbs.gpu.register_cuda`; the region's ``addr`` is then the MR's
         iova). Raises ``TransferError`` (``GpuRegistrationError`` for CUDA memory)."""
         self._check_open()
         if isinstance(memory, torch.Tensor) and not memory.is_contiguous():
             raise TransferError("registered tensors must be contiguous")
         if isinstance(memory, torch.Tensor) and memory.device.type == "cuda":
-            from kvtransfer.verbs_gpu import register_cuda
+            from kvtransfer.verbs.gpu import register_cuda
             reg = register_cuda(self._dev.pd, memory, _ACCESS)
             length = memory.numel() * memory.element_size()
             entry = _Mr(reg.mr, MemoryRegion(reg.iova, length, int(reg.mr.rkey)), int(reg.mr.lkey), memory.device)
@@ -209,7 +209,7 @@ class VerbsEngine(TransferEngine):
         with self._lock:
             devices = {m.cuda for m in self._mrs.values() if m.cuda is not None}
         if devices:
-            from kvtransfer.verbs_gpu import flush_gpudirect_writes
+            from kvtransfer.verbs.gpu import flush_gpudirect_writes
             for device in devices:
                 flush_gpudirect_writes(device)
 

@@ -23,8 +23,8 @@ from enum import IntEnum
 
 from kvtransfer.config import VerbsConfig
 from kvtransfer.errors import TransferError
-from kvtransfer.verbs_compat import enum
-from kvtransfer.verbs_support import (IBV_QPS_ERR, INIT_MASK, MTU_ENUM, QP_STATE, RTR_MASK, RTS_MASK, QpInfo,
+from kvtransfer.verbs.compat import enum
+from kvtransfer.verbs.support import (IBV_QPS_ERR, INIT_MASK, MTU_ENUM, QP_STATE, RTR_MASK, RTS_MASK, QpInfo,
                                       WriteWithImm, WrKind, init_attrs, make_wr_id, path_mtu, rtr_attrs,
                                       rts_attrs)
 

@@ -1,6 +1,6 @@
 """The verbs engine's bootstrap connection: a TCP connection per writer/receiver pair that
 authenticates the peer, exchanges QP records, then stays open as the liveness and control
-channel (message formats in :mod:`kvtransfer.verbs_support`).
+channel (message formats in :mod:`kvtransfer.verbs.support`).
 
 Handshakes (run under the socket's timeout, ``connect_timeout_s``):
 
@@ -25,7 +25,7 @@ from kvtransfer import auth
 from kvtransfer.connection import ThreadGroup
 from kvtransfer.errors import PeerLostError, TransferError
 from kvtransfer.frame import recv_exact
-from kvtransfer.verbs_support import (COUNT, HELLO, MAX_QPS_PER_PEER, MSG_READY, QP_INFO_SIZE, QpInfo, pack_hello,
+from kvtransfer.verbs.support import (COUNT, HELLO, MAX_QPS_PER_PEER, MSG_READY, QP_INFO_SIZE, QpInfo, pack_hello,
                                       unpack_hello)
 
 
