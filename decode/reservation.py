@@ -5,14 +5,14 @@
        │             │
        └─────────────┴──────> FAILED
 
-Generate (colocated) creates one already DECODING. `decode.worker.DecodeWorker` drives it (its
+ServeColocated creates one already DECODING. `decode.worker.DecodeWorker` drives it (its
 docstring has the lifecycle).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode.sink import Sink
 from engine.ids import BlockId
@@ -41,7 +41,7 @@ class Reservation:
     """Blocks and a transfer slot held for one request until its KV arrives, then the request.
 
     ``deadline``: monotonic seconds at which a RESERVED reservation expires; ``sink`` is set by
-    Decode / Generate."""
+    Decode / ServeColocated."""
 
     request_id: str
     blocks: list[BlockId]
@@ -53,7 +53,7 @@ class Reservation:
     writer_stopped: bool = False
     sink: Sink | None = None
     detached: bool = False   # its stream ended early: nobody reads it any more
-    first_token: int | list[int] = 0   # n > 1: one per choice
+    first_tokens: list[int] = field(default_factory=list)   # one per choice
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
     num_held: int = 0   # blocks[:num_held] came from the prefix cache: no transfer writes them

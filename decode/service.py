@@ -84,17 +84,16 @@ class DecodeService(pb_grpc.DecodeServicer):
     async def Decode(self, request, context):
         params = sampling_from_proto(request.sampling)
         sink = AsyncSink(asyncio.get_running_loop())
-        first = list(request.first_tokens) if params.n > 1 else request.first_token
-        await _ctl(self.worker.start_decode, request.request_id, first, request.num_writes,
+        await _ctl(self.worker.start_decode, request.request_id, list(request.first_tokens), request.num_writes,
                    list(request.prompt_token_ids), params, sink)
         async for chunk in self._stream(request.request_id, sink):
             yield chunk
 
     @stream
-    async def Generate(self, request, context):
+    async def ServeColocated(self, request, context):
         params = sampling_from_proto(request.sampling)
         sink = AsyncSink(asyncio.get_running_loop())
-        await _ctl(self.worker.generate_local, request.request_id, list(request.prompt_token_ids), params, sink)
+        await _ctl(self.worker.serve_colocated, request.request_id, list(request.prompt_token_ids), params, sink)
         async for chunk in self._stream(request.request_id, sink):
             yield chunk
 

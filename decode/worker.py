@@ -173,7 +173,7 @@ class DecodeWorker:
             self._reservations[request_id] = r
             return r
 
-    def start_decode(self, request_id: str, first_token: int | list[int], num_writes: int,
+    def start_decode(self, request_id: str, first_tokens: list[int], num_writes: int,
                      prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         """Queue the request behind its KV transfer; returns at once.
 
@@ -183,11 +183,11 @@ class DecodeWorker:
         Raises:
             UnknownRequestError: no reservation waiting for its Decode.
             InvalidRequestError: prompt not of the reserved length or outside the vocabulary,
-                ``first_token`` outside the vocabulary, ``num_writes`` out of range, a grammar that
-                does not compile or rejects the first token.
+                ``first_tokens`` not one per choice or outside the vocabulary, ``num_writes`` out
+                of range, a grammar that does not compile or rejects a first token.
         """
         vocab = self._model.vocab_size
-        firsts = [first_token] if isinstance(first_token, int) else list(first_token)
+        firsts = list(first_tokens)
         if len(firsts) != params.n or not all(0 <= t < vocab for t in firsts):
             raise InvalidRequestError(f"{params.n} first tokens inside the vocabulary [0, {vocab}) expected, "
                                       f"got {firsts[:20]}")
@@ -211,12 +211,12 @@ class DecodeWorker:
             except TransferError as exc:   # the slot failed or expired a moment ago
                 self._fail(r, exc)
                 raise UnknownRequestError(f"reservation {request_id!r} is gone: {exc}") from exc
-            r.first_token, r.prompt_token_ids, r.params, r.sink = first_token, list(prompt_token_ids), params, sink
+            r.first_tokens, r.prompt_token_ids, r.params, r.sink = firsts, list(prompt_token_ids), params, sink
             r.move(ResState.WAITING_KV)
             self._waiting_kv[request_id] = r
         self._wake.set()
 
-    def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def serve_colocated(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        sink: Sink) -> None:
         """Colocated serving: prefill and decode here, no transfer; outputs go to ``sink`` (the
         first carries the first token).
@@ -368,7 +368,7 @@ class DecodeWorker:
         del self._waiting_kv[r.request_id]
         try:
             self.res.transfer.flush_arrivals()   # GPUDirect: the bytes are visible to kernels from here
-            done = self.gen.add_prefilled(r.request_id, r.prompt_token_ids, r.first_token, r.blocks, r.params)
+            done = self.gen.add_prefilled(r.request_id, r.prompt_token_ids, r.first_tokens, r.blocks, r.params)
         except Exception as exc:   # checked in start_decode; a bug here fails this request alone
             log.exception("request %s could not join the batch", r.request_id)
             self._fail(r, TransferError(f"could not join the batch: {exc}"), writer_done=True)

@@ -36,7 +36,7 @@ from engine.models.base import CausalLM, check_pool
 from engine.runner import ModelRunner
 from engine.sampling import SamplingError, SamplingParams, TokenLogprobs, child_params
 from engine.scheduling import PassBudget, RateMeter, by_response_ratio, fill_pass
-from engine.sequence import FinishReason, Sequence, SeqStatus
+from engine.sequence import FinishReason, Sequence, SeqStatus, token_finish_reason
 
 
 @dataclass
@@ -133,11 +133,11 @@ class Generator:
         self._by_id[seq.request_id] = seq
         self._families.setdefault(seq.request, []).append(seq)
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int | Seq[int],
+    def add_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_tokens: Seq[int],
                       block_table: Seq[BlockId], params: SamplingParams) -> list[StepOutput]:
         """Join a request whose prompt K/V already sit in ``block_table`` (written by a prefill
-        worker) to the running batch, with the first token the prefill sampled (``params.n`` > 1:
-        one first token per choice; the sequence forks here, `_fork`).
+        worker) to the running batch, with the first tokens the prefill sampled, one per choice
+        (``params.n`` > 1: the sequence forks here, `_fork`).
 
         Ownership of ``block_table`` passes to the generator: it frees the blocks when the request
         finishes or is aborted. The first token counts towards ``max_tokens`` and stop checks; the
@@ -152,7 +152,7 @@ class Generator:
             CapacityError: no free block for a choice's copy of the last prompt block (n > 1).
             ValueError: duplicate request id, or ``block_table`` too short for the prompt.
         """
-        firsts = [int(first_token)] if isinstance(first_token, int) else [int(t) for t in first_token]
+        firsts = [int(t) for t in first_tokens]
         if len(block_table) * self.pool.block_size < len(prompt_token_ids):
             raise ValueError(f"{len(block_table)} blocks cannot hold a {len(prompt_token_ids)}-token prompt")
         if len(firsts) != params.n or not all(0 <= t < self.model.config.vocab_size for t in firsts):
@@ -349,16 +349,14 @@ class Generator:
         if seq.matcher is not None and token not in seq.stop_token_ids and not seq.matcher.consume([token]):
             seq.finish(FinishReason.ERROR)   # the grammar allowed it, so this is a bug; this sequence alone
             return self._retire(seq, [], "")
-        if token in seq.stop_token_ids:
-            seq.finish(FinishReason.STOP)
-        elif seq.detokenizer is not None:
+        reason = token_finish_reason(token, seq.stop_token_ids, len(seq.output_token_ids), seq.params.max_tokens,
+                                     seq.num_tokens, self.model.config.max_position)
+        if reason is not FinishReason.STOP and seq.detokenizer is not None:
             delta = seq.detokenizer.add(token)
             if seq.detokenizer.stopped_by is not None:
-                seq.finish(FinishReason.STOP)
-        if seq.status != SeqStatus.FINISHED and (
-                len(seq.output_token_ids) >= seq.params.max_tokens
-                or seq.num_tokens >= self.model.config.max_position):
-            seq.finish(FinishReason.LENGTH)
+                reason = FinishReason.STOP
+        if reason is not None:
+            seq.finish(reason)
         if seq.status == SeqStatus.FINISHED:
             if seq.detokenizer is not None:
                 delta += seq.detokenizer.flush()

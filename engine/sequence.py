@@ -32,6 +32,23 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"    # this sequence alone failed (e.g. its logits could not be sampled)
 
 
+def token_finish_reason(token: int, stop_token_ids: frozenset[int], num_output: int, max_tokens: int,
+                        num_tokens: int, max_position: int) -> FinishReason | None:
+    """Why the token just generated ends its sequence, or None: the one rule every worker applies
+    (the router only adds stop strings).
+
+    STOP when ``token`` is a stop token (EOS or the request's ``stop_token_ids``; the sampler
+    cannot draw one before ``min_tokens``); else LENGTH when ``num_output`` (output tokens of
+    this run, ``token`` included) reaches ``max_tokens``, or ``num_tokens`` (prompt + output)
+    reaches the model's context ``max_position``.
+    """
+    if token in stop_token_ids:
+        return FinishReason.STOP
+    if num_output >= max_tokens or num_tokens >= max_position:
+        return FinishReason.LENGTH
+    return None
+
+
 @dataclass
 class Sequence:
     """One request inside the generator.

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from engine.ids import BlockId
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingError, SamplingParams, TokenLogprobs
+from engine.sequence import token_finish_reason
 from kvtransfer import KVLayout, PeerId, WriteHandle
 from worker.errors import PrefillAborted, PrefillError
 
@@ -85,18 +86,18 @@ class DecodePeer:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A finished job: the first token (and its logprobs when asked for), the writes the decode
-    side must count, bytes, seconds."""
+    """A finished job: per choice (``params.n`` of them) the first token, why it ends the choice
+    (``""``: it does not; "stop", "length": `engine.sequence.token_finish_reason`) and its
+    logprobs when asked for; the writes the decode side must count, bytes, seconds."""
 
-    first_token: int
+    first_tokens: list[int]
+    finish_reasons: list[str]
     num_writes: int
     bytes_written: int
     compute_seconds: float
     transfer_seconds: float
-    first_logprobs: TokenLogprobs | None = None
+    first_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    first_tokens: list[int] = field(default_factory=list)            # n > 1: every choice's
-    first_tokens_logprobs: list[TokenLogprobs] = field(default_factory=list)
     bytes_skipped: int = 0        # KV bytes not written: the decode worker held those blocks
     prefix_hit_tokens: int = 0    # prompt tokens found in this worker's prefix cache
 
@@ -121,11 +122,10 @@ class PrefillJob:
     error: Exception | None = None
     block_table: list[BlockId] = field(default_factory=list)
     num_computed: int = 0
-    first_token: int | None = None
-    first_logprobs: TokenLogprobs | None = None
+    first_tokens: list[int] = field(default_factory=list)       # one per choice, once sampled
+    finish_reasons: list[str] = field(default_factory=list)     # one per choice ("": runs on)
+    first_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    first_tokens: list[int] = field(default_factory=list)
-    first_tokens_logprobs: list[TokenLogprobs] = field(default_factory=list)
     matcher: object | None = None     # `engine.grammar.Matcher` when params.grammar is set
     block_hashes: list = field(default_factory=list)   # prefix caching: the prompt's full blocks
     num_registered: int = 0           # leading blocks registered in the prefix cache
@@ -168,23 +168,26 @@ class PrefillJob:
         """The outcome of a finished job; raises its error when it failed."""
         if self.error is not None:
             raise self.error
-        return PrefillResult(self.first_token, self.num_writes, self.bytes_posted,
+        return PrefillResult(self.first_tokens, self.finish_reasons, self.num_writes, self.bytes_posted,
                              self.compute_seconds, self.transfer_seconds, self.first_logprobs,
-                             self.prompt_logprobs, self.first_tokens, self.first_tokens_logprobs,
-                             self.bytes_skipped, self.prefix_hit_tokens)
+                             self.prompt_logprobs, self.bytes_skipped, self.prefix_hit_tokens)
 
-    def set_first_tokens(self, drawn: list) -> None:
-        """Record the first token (n > 1: every choice's) from its sampling rows' draws, each
-        ``(token or SamplingError, TokenLogprobs or None)``; a choice that could not be sampled
-        fails the job."""
+    def set_first_tokens(self, drawn: list, rows: list, max_position: int) -> None:
+        """Record every choice's first token from its sampling row's draw (``drawn[i]``:
+        ``(token or SamplingError, TokenLogprobs or None)`` of ``rows[i]``), and whether it ends
+        the choice (`engine.sequence.token_finish_reason`; ``max_position``: the model's
+        context). A choice that could not be sampled fails the job."""
         bad = next((t for t, _ in drawn if isinstance(t, SamplingError)), None)
         if bad is not None:
             self.fail(PrefillError(f"sampling the first token failed: {bad}"))
             return
-        self.first_token, self.first_logprobs = drawn[0]
-        if self.params.n > 1:
-            self.first_tokens = [t for t, _ in drawn]
-            self.first_tokens_logprobs = [lp for _, lp in drawn if lp is not None]
+        self.first_tokens = [int(t) for t, _ in drawn]
+        self.first_logprobs = [lp for _, lp in drawn if lp is not None]
+        self.finish_reasons = []
+        for token, row in zip(self.first_tokens, rows):
+            reason = token_finish_reason(token, row.stop_token_ids, 1, row.params.max_tokens,
+                                         len(self.prompt_token_ids) + 1, max_position)
+            self.finish_reasons.append(reason.value if reason is not None else "")
 
     def add_done_callback(self, callback: Callable[["PrefillJob"], None]) -> None:
         """Call ``callback(job)`` once the job finished (at once if it has); from the thread

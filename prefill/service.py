@@ -67,15 +67,12 @@ class PrefillService(pb_grpc.PrefillServicer):
             self.worker.abort(job.request_id)
             raise
         r = job.result()
-        resp = pb.PrefillResponse(first_token=r.first_token, num_writes=r.num_writes,
-                                  bytes_written=r.bytes_written, prefill_seconds=r.compute_seconds,
-                                  transfer_seconds=r.transfer_seconds, bytes_skipped=r.bytes_skipped,
-                                  prefix_hit_tokens=r.prefix_hit_tokens)
-        if r.first_logprobs is not None:
-            resp.first_logprobs.CopyFrom(logprobs_to_proto(r.first_logprobs))
+        resp = pb.PrefillResponse(first_tokens=r.first_tokens, finish_reasons=r.finish_reasons,
+                                  num_writes=r.num_writes, bytes_written=r.bytes_written,
+                                  prefill_seconds=r.compute_seconds, transfer_seconds=r.transfer_seconds,
+                                  bytes_skipped=r.bytes_skipped, prefix_hit_tokens=r.prefix_hit_tokens)
+        resp.first_logprobs.extend(logprobs_to_proto(lp) for lp in r.first_logprobs)
         resp.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in r.prompt_logprobs)
-        resp.first_tokens.extend(r.first_tokens)
-        resp.first_tokens_logprobs.extend(logprobs_to_proto(lp) for lp in r.first_tokens_logprobs)
         return resp
 
     @unary

@@ -336,7 +336,8 @@ class PrefillWorker:
                         self.sender.finish(job)
             at = 0
             for job in finishing:
-                job.set_first_tokens(drawn[at:at + job.params.n])
+                job.set_first_tokens(drawn[at:at + job.params.n], rows[at:at + job.params.n],
+                                     self.res.loaded.config.max_position)
                 at += job.params.n
                 if not job.stopped:
                     self.sender.count(job)

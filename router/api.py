@@ -182,14 +182,12 @@ async def _serve(state: RouterState, body, chat: bool):
     arrived = time.monotonic()
     req, shape, out = await _prepare(state, body, chat)
     m = state.metrics
-    m.in_flight.inc()
     m.prompt_tokens.inc(len(req.prompt_token_ids))
     deltas = _timed(state, state.orchestrator.generate(req), arrived, "chat" if chat else "completions", req.n)
     try:
         first = await deltas.__anext__()
     except BaseException as exc:
         await deltas.aclose()
-        m.in_flight.dec()
         if isinstance(exc, RouterError):
             m.errors.labels(exc.code or exc.type).inc()
         raise
@@ -198,10 +196,7 @@ async def _serve(state: RouterState, body, chat: bool):
         return StreamingResponse(stream(state.tokenizer, m, shape, req, first, deltas, include_usage, out),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        return await collect(state.tokenizer, shape, req, first, deltas, out)
-    finally:
-        m.in_flight.dec()
+    return await collect(state.tokenizer, shape, req, first, deltas, out)
 
 
 async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequest, Shape, Output]:
@@ -296,29 +291,34 @@ async def _encode(tk, text: str) -> list[int]:
 
 async def _timed(state: RouterState, deltas: AsyncIterator[Delta], arrived: float,
                  endpoint: str, n_choices: int = 1) -> AsyncIterator[Delta]:
-    """Pass deltas through, observing TTFT, ITL and E2E latency."""
+    """Pass deltas through, observing TTFT, ITL and E2E latency; the request counts as in flight
+    (`RouterMetrics.in_flight`, counted here only) from the first ``__anext__`` until closed."""
     m = state.metrics
     last = None
     finished: dict[int, str] = {}   # choice -> finish reason
-    async with aclosing(deltas) as it:
-        async for d in it:
-            now = time.monotonic()
-            n = len(d.token_ids)
-            if last is None:
-                m.ttft.observe(now - arrived)
-                n -= 1
-                last = now
-            if n > 0:
-                for _ in range(n):
-                    m.itl.observe((now - last) / n)
-                last = now
-            if d.finish_reason is not None:
-                finished[d.index] = d.finish_reason
-                m.generation_tokens.inc(d.completion_tokens)
-                if len(finished) == n_choices:
-                    m.e2e.observe(now - arrived)
-                    m.requests.labels(endpoint, d.finish_reason).inc()
-            yield d
+    m.in_flight.inc()
+    try:
+        async with aclosing(deltas) as it:
+            async for d in it:
+                now = time.monotonic()
+                n = len(d.token_ids)
+                if last is None:
+                    m.ttft.observe(now - arrived)
+                    n -= 1
+                    last = now
+                if n > 0:
+                    for _ in range(n):
+                        m.itl.observe((now - last) / n)
+                    last = now
+                if d.finish_reason is not None:
+                    finished[d.index] = d.finish_reason
+                    m.generation_tokens.inc(d.completion_tokens)
+                    if len(finished) == n_choices:
+                        m.e2e.observe(now - arrived)
+                        m.requests.labels(endpoint, d.finish_reason).inc()
+                yield d
+    finally:
+        m.in_flight.dec()
     if len(finished) < n_choices:
         m.requests.labels(endpoint, "abort").inc()
 

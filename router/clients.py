@@ -69,7 +69,7 @@ class Reservation:
 
 
 class TokenStream:
-    """A ``Decode`` or ``Generate`` stream: `read` the chunks, `cancel` when done early."""
+    """A ``Decode`` or ``ServeColocated`` stream: `read` the chunks, `cancel` when done early."""
 
     def __init__(self, call, worker_id: str, what: str):
         self._call, self._worker_id, self._what = call, worker_id, what
@@ -122,20 +122,20 @@ class WorkerClient:
         return Reservation(tuple(resp.block_ids), resp.slot, resp.generation, time.monotonic() + resp.lease_s,
                            resp.num_held_blocks)
 
-    def decode(self, request_id: str, first_token: int, num_writes: int, sampling: pb.SamplingParams,
-               prompt: Sequence[int], timeout_s: float, first_tokens: Sequence[int] = ()) -> TokenStream:
-        """``first_tokens``: every choice's first token when ``sampling.n`` > 1."""
+    def decode(self, request_id: str, first_tokens: Sequence[int], num_writes: int, sampling: pb.SamplingParams,
+               prompt: Sequence[int], timeout_s: float) -> TokenStream:
+        """``first_tokens``: every choice's first token (``sampling.n`` of them)."""
         call = self._decode.Decode(pb.DecodeRequest(
-            request_id=request_id, first_token=first_token, num_writes=num_writes, sampling=sampling,
-            prompt_token_ids=prompt, first_tokens=first_tokens), timeout=timeout_s, metadata=self._md)
+            request_id=request_id, first_tokens=first_tokens, num_writes=num_writes, sampling=sampling,
+            prompt_token_ids=prompt), timeout=timeout_s, metadata=self._md)
         return TokenStream(call, self.worker_id, "Decode")
 
-    def generate(self, request_id: str, prompt: Sequence[int], sampling: pb.SamplingParams,
-                 timeout_s: float) -> TokenStream:
-        call = self._decode.Generate(pb.GenerateRequest(
+    def serve_colocated(self, request_id: str, prompt: Sequence[int], sampling: pb.SamplingParams,
+                        timeout_s: float) -> TokenStream:
+        call = self._decode.ServeColocated(pb.ColocatedRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=timeout_s,
             metadata=self._md)
-        return TokenStream(call, self.worker_id, "Generate")
+        return TokenStream(call, self.worker_id, "ServeColocated")
 
     async def abort_decode(self, request_id: str, writer_stopped: bool) -> bool:
         resp = await self._unary("Abort", self._decode.Abort,

@@ -49,7 +49,7 @@ class RouterConfig:
             (queued there or computing); a request waits at the router beyond it, so the
             prefill queue (and every reservation's wait for its KV) stays short. A prompt
             longer than this is sent when the worker has nothing in flight.
-        decode_inflight_requests: colocated path: Generate calls in flight per decode worker.
+        decode_inflight_requests: colocated path: ServeColocated calls in flight per decode worker.
         max_request_bytes: largest HTTP request body accepted (413 beyond it).
         prefill_timeout_s: deadline of one Prefill call, compute and transfer (seconds).
         decode_timeout_s: deadline of one whole Decode stream (seconds).
@@ -69,7 +69,7 @@ class RouterConfig:
         secret_file: file holding the cluster secret; its control token (`rpc.auth`) goes with
             every call to a worker (None: ``$PDSERVE_SECRET``, else the development secret).
         serving_mode: ``"disaggregated"`` (prefill worker -> KV transfer -> decode worker),
-            ``"colocated"`` (a decode worker runs the whole request, ``Decode.Generate``; no
+            ``"colocated"`` (a decode worker runs the whole request, ``Decode.ServeColocated``; no
             prefill worker needed) or ``"auto"`` (by ``colocated_threshold_tokens``); see
             `router.serving`.
         colocated_threshold_tokens: in ``"auto"`` mode, prompts with fewer tokens than this are

@@ -7,7 +7,7 @@ Lifecycle of a member (one transition function, `transition`):
        └──────────── Leave / missed heartbeats / re-registration ────────────> GONE <──┘
 
 A decode member of a table built with ``standalone_decode`` (colocated / auto serving modes,
-`router.serving`) starts CONNECTED: it can serve ``Generate`` without any prefill peer.
+`router.serving`) starts CONNECTED: it can serve ``ServeColocated`` without any prefill peer.
 
 Only CONNECTED members whose last heartbeat reports no dead or stalled loop
 (``LoadStats.unhealthy``, `worker.liveness`) are routable. GONE is absorbing: the member is removed from the table

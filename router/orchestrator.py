@@ -18,7 +18,7 @@ Lifecycle of a request (`Orchestrator.generate`, an async iterator of `Delta`):
               then the decode worker with ``writer_stopped`` true only when the writer is known
               to have stopped (Prefill answered, or acknowledged the Abort).
 
-Colocated path (`router.serving` decides per request): ``Generate`` on one decode worker under
+Colocated path (`router.serving` decides per request): ``ServeColocated`` on one decode worker under
 its limit of in-flight requests (``decode_inflight_requests``), placed through the same queue;
 it prefills and decodes on its own pool (no reserve, no prefill worker); its stream is read like
 ``Decode``'s (first chunk = first token), and release is an ``Abort`` of the decode worker alone
@@ -81,16 +81,20 @@ class _Run:
     prompt_sent: bool = False   # prompt logprobs went out with the first delta (choice 0)
     reported: bool = False      # the delta with finish_reason went out
 
-    def add(self, token: int) -> str:
+    def add(self, token: int, finish_reason: str | None) -> str:
+        """Append a token the worker sent, with the worker's finish reason for it (None or ""
+        while the choice runs: the worker decides stop tokens, ``max_tokens`` and the context,
+        `engine.sequence.token_finish_reason`); returns the text now safe to show. Only stop
+        strings are decided here. A stop token's text is never shown."""
         self.generated.append(token)
-        if token in self.stop_ids and len(self.generated) > self.req.min_tokens:
+        if finish_reason == "stop":   # a stop token
             self.finish_reason = "stop"
             return self.detok.flush()
         text = self.detok.add(token)
         if self.detok.stopped_by is not None:
             self.finish_reason = "stop"
-        elif len(self.generated) >= self.req.max_tokens:
-            self.finish_reason = "length"
+        elif finish_reason:
+            self.finish_reason = finish_reason
         if self.finish_reason is not None:
             text += self.detok.flush()
         return text
@@ -132,7 +136,7 @@ class Orchestrator:
         metrics.queue_depth.set_function(lambda: self.admission.waiting)
         self._md = metadata
         self._clients: dict[str, tuple[int, WorkerClient, grpc.aio.Channel]] = {}
-        self._generating: dict[str, int] = defaultdict(int)   # decode id -> Generate calls in flight
+        self._colocated: dict[str, int] = defaultdict(int)   # decode id -> ServeColocated calls in flight
         self._background: set[asyncio.Task] = set()
         self.warmups = Warmups(metrics, membership.kv_index, self._client, config.prefill_timeout_s)
 
@@ -202,23 +206,21 @@ class Orchestrator:
                 await self.admission.acquire(
                     lambda since: self._place(hold, prompt, remaining, lead.failed_workers, since))
                 first = await self._prefill(hold, prompt, sampling)
-                forked = len(runs) > 1
-                firsts = list(first.first_tokens) if forked else [first.first_token]
-                lps = list(first.first_tokens_logprobs) if forked else [first.first_logprobs]
-                if len(firsts) != len(runs):
-                    raise UpstreamError(f"the prefill worker sent {len(firsts)} first tokens for {len(runs)} choices")
+                firsts, reasons, lps = list(first.first_tokens), list(first.finish_reasons), list(first.first_logprobs)
+                if len(firsts) != len(runs) or len(reasons) != len(runs):
+                    raise UpstreamError(f"the prefill worker sent {len(firsts)} first tokens and {len(reasons)} "
+                                        f"finish reasons for {len(runs)} choices")
                 for i, (run, token) in enumerate(zip(runs, firsts)):
-                    text = run.add(token)
+                    text = run.add(token, reasons[i])
                     yield run.delta(text, [token], lps[i:i + 1], first.prompt_logprobs)
                 if all(r.finish_reason is not None for r in runs):
                     return   # the release below frees the reservation (the writer stopped)
-                stream = self._client(hold.decode).decode(rid, first.first_token, first.num_writes, sampling,
-                                                          prompt, self.config.decode_timeout_s,
-                                                          firsts if forked else ())
+                stream = self._client(hold.decode).decode(rid, firsts, first.num_writes, sampling, prompt,
+                                                          self.config.decode_timeout_s)
             else:
                 await self.admission.acquire(
                     lambda since: self._place_colocated(hold, prompt, lead.failed_workers, since))
-                stream = self._client(hold.decode).generate(rid, prompt, sampling, self.config.decode_timeout_s)
+                stream = self._client(hold.decode).serve_colocated(rid, prompt, sampling, self.config.decode_timeout_s)
             async with aclosing(self._stream(stream, hold, runs)) as deltas:
                 async for delta in deltas:
                     yield delta
@@ -234,7 +236,7 @@ class Orchestrator:
             raise _Retry(str(exc)) from exc
         finally:
             if hold.colocated:
-                self._generating[hold.decode.worker_id] -= 1
+                self._colocated[hold.decode.worker_id] -= 1
             self.admission.notify()
             if not hold.done and hold.decode is not None:
                 self._spawn(self._release(hold))
@@ -340,7 +342,7 @@ class Orchestrator:
         if not decodes:
             self._no_workers_yet(since, "no decode worker is available")
             return None
-        open_ = [d for d in decodes if self._generating[d.worker_id] < self.config.decode_inflight_requests]
+        open_ = [d for d in decodes if self._colocated[d.worker_id] < self.config.decode_inflight_requests]
         if not open_:
             return None
         bs = max(1, decodes[0].block_size)
@@ -350,7 +352,7 @@ class Orchestrator:
         hold.colocated = True
         if hold.hashes:
             self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes)
-        self._generating[hold.decode.worker_id] += 1
+        self._colocated[hold.decode.worker_id] += 1
         self.inflight.add_reservation(hold.decode, need)  # until heartbeats show its load
         return True
 
@@ -401,7 +403,7 @@ class Orchestrator:
 
     # -- decode -------------------------------------------------------------------------------
     async def _stream(self, stream: TokenStream, hold: Holding, runs: list[_Run]) -> AsyncIterator[Delta]:
-        """Deltas of a ``Decode`` or ``Generate`` token stream (chunk ``index`` i is ``runs[i]``);
+        """Deltas of a ``Decode`` or ``ServeColocated`` token stream (chunk ``index`` i is ``runs[i]``);
         once every choice finished, a router-side stop (a stop string) cancels the call and
         releases ``hold``; the call is cancelled if the reader goes away."""
         ended: set[int] = set()   # choices the worker finished
@@ -413,12 +415,13 @@ class Orchestrator:
                                         f"of {len(runs)}")
                 run = runs[chunk.index]
                 tokens, text, logprobs = [], "", []
+                last = len(chunk.token_ids) - 1
                 for i, t in enumerate(chunk.token_ids):
                     if run.finish_reason is None:
                         tokens.append(t)
                         if i < len(chunk.logprobs):
                             logprobs.append(chunk.logprobs[i])
-                        text += run.add(t)
+                        text += run.add(t, chunk.finish_reason if i == last else None)
                 if run.finish_reason is None and chunk.finish_reason == "abort":
                     raise _Retry(f"decode worker {hold.decode.worker_id} aborted the request")
                 if run.finish_reason is None and chunk.finish_reason == "error":

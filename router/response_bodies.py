@@ -305,5 +305,3 @@ async def stream(tokenizer, metrics, shape: Shape, req: GenerationRequest, first
         metrics.errors.labels(exc.code or exc.type).inc()
         yield sse(router_error_body(exc))
         yield sse("[DONE]")
-    finally:
-        metrics.in_flight.dec()

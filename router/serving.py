@@ -5,7 +5,7 @@ Two paths serve a request (`ServingPath`):
 - ``disaggregated``: a prefill worker computes the prompt's KV and writes it into a decode
   worker's pool (Reserve -> Prefill -> Decode), see `router.orchestrator`.
 - ``colocated``: one decode worker runs the prefill itself on its own pool and streams every
-  token (``Decode.Generate``); no KV moves and no prefill worker is involved.
+  token (``Decode.ServeColocated``); no KV moves and no prefill worker is involved.
 
 The router's ``serving_mode`` (`RouterConfig`) picks between them per request:
 
@@ -26,7 +26,7 @@ The router's ``serving_mode`` (`RouterConfig`) picks between them per request:
   prefill backlog rule"; the decode steps that carry prompt chunks are slower).
 
 In ``colocated`` and ``auto`` modes a decode worker is routable as soon as it registers (it
-needs no prefill peer for Generate), so /health only asks for one decode worker.
+needs no prefill peer for ServeColocated), so /health only asks for one decode worker.
 """
 
 from __future__ import annotations

@@ -279,30 +279,28 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., write_deadline_s: _Optional[float] = ..., num_held_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_writes", "bytes_written", "prefill_seconds", "transfer_seconds", "first_logprobs", "prompt_logprobs", "first_tokens", "first_tokens_logprobs", "bytes_skipped", "prefix_hit_tokens")
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("first_tokens", "finish_reasons", "first_logprobs", "num_writes", "bytes_written", "prefill_seconds", "transfer_seconds", "prompt_logprobs", "bytes_skipped", "prefix_hit_tokens")
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_WRITES_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKENS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    first_token: int
+    first_tokens: _containers.RepeatedScalarFieldContainer[int]
+    finish_reasons: _containers.RepeatedScalarFieldContainer[str]
+    first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     num_writes: int
     bytes_written: int
     prefill_seconds: float
     transfer_seconds: float
-    first_logprobs: TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    first_tokens: _containers.RepeatedScalarFieldContainer[int]
-    first_tokens_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     bytes_skipped: int
     prefix_hit_tokens: int
-    def __init__(self, first_token: _Optional[int] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_tokens_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., bytes_skipped: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, first_tokens: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., bytes_skipped: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("request_id", "token_ids")
@@ -349,22 +347,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., lease_s: _Optional[float] = ..., num_held_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "num_writes", "sampling", "prompt_token_ids", "first_tokens")
+    __slots__ = ("request_id", "first_tokens", "num_writes", "sampling", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_WRITES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    first_token: int
+    first_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_writes: int
     sampling: SamplingParams
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    first_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., num_writes: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[int]] = ..., num_writes: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class GenerateRequest(_message.Message):
+class ColocatedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

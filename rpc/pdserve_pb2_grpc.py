@@ -590,9 +590,9 @@ class DecodeStub:
                 request_serializer=rpc_dot_pdserve__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.TokenChunk.FromString,
                 _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/pdserve.v1.Decode/Generate',
-                request_serializer=rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+        self.ServeColocated = channel.unary_stream(
+                '/pdserve.v1.Decode/ServeColocated',
+                request_serializer=rpc_dot_pdserve__pb2.ColocatedRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
@@ -645,7 +645,7 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Generate(self, request, context):
+    def ServeColocated(self, request, context):
         """first chunk = first token
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -698,9 +698,9 @@ def add_DecodeServicer_to_server(servicer, server):
                     request_deserializer=rpc_dot_pdserve__pb2.DecodeRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.TokenChunk.SerializeToString,
             ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=rpc_dot_pdserve__pb2.GenerateRequest.FromString,
+            'ServeColocated': grpc.unary_stream_rpc_method_handler(
+                    servicer.ServeColocated,
+                    request_deserializer=rpc_dot_pdserve__pb2.ColocatedRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -865,7 +865,7 @@ class Decode:
             _registered_method=True)
 
     @staticmethod
-    def Generate(request,
+    def ServeColocated(request,
             target,
             options=(),
             channel_credentials=None,
@@ -878,8 +878,8 @@ class Decode:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.v1.Decode/Generate',
-            rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            '/pdserve.v1.Decode/ServeColocated',
+            rpc_dot_pdserve__pb2.ColocatedRequest.SerializeToString,
             rpc_dot_pdserve__pb2.TokenChunk.FromString,
             options,
             channel_credentials,

@@ -1,6 +1,6 @@
 """The worker's gRPC server: ``grpc.aio`` on an event loop of its own thread.
 
-Streams (Decode, Generate) and long calls (Prefill, Abort waiting for the writer) are coroutines,
+Streams (Decode, ServeColocated) and long calls (Prefill, Abort waiting for the writer) are coroutines,
 so none pins a thread: Abort, Stats and Reserve are answered within their deadline at any number
 of open streams. Work that takes a worker lock runs in a small executor (``<role>-ctl``), off the
 event loop. Lifecycle: `AioServer.start` starts the thread ``<role>-grpc`` and returns once the

@@ -1,5 +1,5 @@
 """Colocated and auto serving modes end to end (`router.serving`): a cluster with no prefill
-worker serving every request on decode workers (``Decode.Generate``), and a 1 prefill + 1 decode
+worker serving every request on decode workers (``Decode.ServeColocated``), and a 1 prefill + 1 decode
 cluster in auto mode sending short prompts colocated and long ones disaggregated. Greedy output
 equals the single-process engine's on both paths, requests are counted by path, stop strings and
 client disconnects free every KV block, and workers are pinned to the CPUs asked for."""

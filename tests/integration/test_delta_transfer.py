@@ -82,8 +82,8 @@ def _run(prefill, decode, rid: str, prompt: list[int]):
 def decode_all(decode, rid: str, res, prompt: list[int], params: SamplingParams) -> list[int]:
     """Decode a prefilled request to its end; its tokens, the prefill's first token first."""
     sink = QueueSink()
-    decode.start_decode(rid, res.first_token, res.num_writes, prompt, params, sink)
-    tokens = [res.first_token]
+    decode.start_decode(rid, res.first_tokens, res.num_writes, prompt, params, sink)
+    tokens = list(res.first_tokens)
     while True:
         out = sink.items.get(timeout=120)
         assert not isinstance(out, Exception), out

@@ -136,7 +136,7 @@ def test_a_prefill_stops_a_warm_up_pass_between_layers(smollm):
         time.sleep(0.05)   # inside the pass
         prompt = tk.encode(tk.apply_chat_template([{"role": "user", "content": "Say hello."}]))
         _, res, _ = _run(prefill, decode, "during-warmup", prompt)
-        assert res.first_token is not None
+        assert len(res.first_tokens) == 1 and res.finish_reasons in ([""], ["stop"], ["length"])
         assert warm.finished.wait(120) and warm.error is None
         assert prefill.metrics["warmup_preemptions"] >= 1
         assert warm.num_computed == len(history) and prefill.metrics["warmup_tokens_computed"] >= len(history)

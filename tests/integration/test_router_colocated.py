@@ -1,5 +1,5 @@
 """The orchestrator's colocated path over real gRPC against scripted decode workers: retry of a
-Generate stream failing before or after its first token, stop strings and client disconnects
+ServeColocated stream failing before or after its first token, stop strings and client disconnects
 cancelling the stream and aborting the request on its worker."""
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ pytestmark = pytest.mark.integration
 
 
 class ScriptedDecode(pbg.DecodeServicer):
-    """``Generate`` streams ``tokens`` one per chunk; ``fail_after``: abort the stream with
+    """``ServeColocated`` streams ``tokens`` one per chunk; ``fail_after``: abort the stream with
     UNAVAILABLE after that many tokens (None: finish with "length")."""
 
-    def __init__(self, tokens: list[int], fail_after: int | None = None, delay_s: float = 0.0):
-        self.tokens, self.fail_after, self.delay_s = tokens, fail_after, delay_s
-        self.calls: list[pb.GenerateRequest] = []
+    def __init__(self, tokens: list[int], fail_after: int | None = None, delay_s: float = 0.0,
+                 last_reason: str = "length"):
+        self.tokens, self.fail_after, self.delay_s, self.last_reason = tokens, fail_after, delay_s, last_reason
+        self.calls: list[pb.ColocatedRequest] = []
         self.aborts: list[pb.AbortRequest] = []
         self.cancelled: list[str] = []
 
-    async def Generate(self, request, context):
+    async def ServeColocated(self, request, context):
         self.calls.append(request)
         n = min(len(self.tokens), request.sampling.max_tokens)
         try:
@@ -42,7 +43,7 @@ class ScriptedDecode(pbg.DecodeServicer):
                 if self.fail_after is not None and i == self.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
                 await asyncio.sleep(self.delay_s)
-                yield pb.TokenChunk(token_ids=[t], finish_reason="length" if i == n - 1 else "")
+                yield pb.TokenChunk(token_ids=[t], finish_reason=self.last_reason if i == n - 1 else "")
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
@@ -97,6 +98,33 @@ async def _collect(orch, req):
         async for d in it:
             deltas.append(d)
     return deltas
+
+
+def test_the_workers_finish_reason_is_the_requests_and_only_stop_strings_are_the_routers(tokenizer):
+    """The worker decides token-level stops: a stop token it reports ("stop") ends the choice
+    with its text hidden, and a stop id it does not report as one (ignore_eos) is ordinary text;
+    the router counts no max_tokens of its own (the worker's "length" ends the choice) and stops
+    on stop strings alone."""
+    eos = min(tokenizer.stop_token_ids)
+    words = tokenizer.encode(" one two three")
+
+    async def run(tokens, reason, max_tokens, stop=()):
+        orch, servers, _ = await _cluster({"d0": ScriptedDecode(tokens, last_reason=reason)}, tokenizer)
+        req = GenerationRequest("cmpl-1", tuple(tokenizer.encode("Hi there")), max_tokens, temperature=0.0,
+                                stop=tuple(stop))   # EOS is a stop token of this request
+        try:
+            return await _collect(orch, req)
+        finally:
+            await _shutdown(orch, servers)
+
+    stopped = asyncio.run(run(words + [eos], "stop", 16))
+    assert stopped[-1].finish_reason == "stop" and "".join(d.text for d in stopped) == " one two three"
+    assert [t for d in stopped for t in d.token_ids] == words + [eos]
+    plain = asyncio.run(run([eos] + words, "length", 16))   # the worker did not call that EOS a stop
+    assert plain[-1].finish_reason == "length" and [t for d in plain for t in d.token_ids] == [eos] + words
+    assert [d.finish_reason for d in plain[:-1]] == [None] * (len(plain) - 1)
+    cut = asyncio.run(run(words, "length", 16, stop=(" two",)))
+    assert cut[-1].finish_reason == "stop" and "".join(d.text for d in cut) == " one"
 
 
 def test_failure_before_the_first_token_is_retried_elsewhere(tokenizer):

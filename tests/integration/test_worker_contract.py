@@ -88,7 +88,7 @@ def test_control_calls_are_answered_with_100_streams_open(workers, smollm):
     decode = workers["decode"]
     prompt = smollm.tokenizer.encode("Count slowly: one, two,")
     sp = sampling_to_proto(SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
-    streams = [decode.Generate(pb.GenerateRequest(request_id=f"open-{i}", prompt_token_ids=prompt, sampling=sp))
+    streams = [decode.ServeColocated(pb.ColocatedRequest(request_id=f"open-{i}", prompt_token_ids=prompt, sampling=sp))
                for i in range(100)]
     try:
         deadline = time.monotonic() + 60   # every call arrived: 32 decoding, 68 queued
@@ -159,9 +159,9 @@ def test_bad_decode_arguments_leave_the_reservation_and_the_batch_alone(workers,
     r = decode.Reserve(pb.ReserveRequest(request_id="dec", num_prompt_tokens=len(prompt), max_tokens=24))
     p = prefill.Prefill(pb.PrefillRequest(request_id="dec", token_ids=prompt, sampling=sp, decode_worker_id="d",
                                           block_ids=r.block_ids, slot=r.slot, generation=r.generation))
-    good = dict(request_id="dec", first_token=p.first_token, num_writes=p.num_writes, sampling=sp,
+    good = dict(request_id="dec", first_tokens=p.first_tokens, num_writes=p.num_writes, sampling=sp,
                 prompt_token_ids=prompt)
-    for name, fields in {"first token outside the vocabulary": dict(first_token=10 ** 6),
+    for name, fields in {"first token outside the vocabulary": dict(first_tokens=[10 ** 6]),
                          "prompt of another length": dict(prompt_token_ids=prompt + prompt[:3]),
                          "prompt token outside the vocabulary": dict(prompt_token_ids=prompt[:-1] + [10 ** 7]),
                          "absurd write count": dict(num_writes=1 << 30)}.items():
@@ -170,7 +170,7 @@ def test_bad_decode_arguments_leave_the_reservation_and_the_batch_alone(workers,
             list(decode.Decode(pb.DecodeRequest(**req), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.value.details())
     # the reservation is still there, untouched: the right Decode now completes exactly
-    tokens = [p.first_token] + [t for c in decode.Decode(pb.DecodeRequest(**good)) for t in c.token_ids]
+    tokens = list(p.first_tokens) + [t for c in decode.Decode(pb.DecodeRequest(**good)) for t in c.token_ids]
     assert tokens == want
     t.join(120)
     assert mate["tokens"] == want

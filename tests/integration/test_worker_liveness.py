@@ -36,7 +36,7 @@ def decode(smollm):
 
 def _generate(worker: DecodeWorker, rid: str, prompt: list[int], n: int = 8) -> list[int]:
     sink = QueueSink()
-    worker.generate_local(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink)
+    worker.serve_colocated(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink)
     tokens = []
     while True:
         out = sink.items.get(timeout=60)

@@ -86,8 +86,8 @@ def run_request(prefill, decode, rid: str, prompt: list[int], params: SamplingPa
     sp = sampling_to_proto(params)
     p = prefill.Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=sp, decode_worker_id="d",
                                           block_ids=r.block_ids, slot=r.slot, generation=r.generation))
-    tokens = [p.first_token]
-    for chunk in decode.Decode(pb.DecodeRequest(request_id=rid, first_token=p.first_token, num_writes=p.num_writes,
+    tokens = list(p.first_tokens)
+    for chunk in decode.Decode(pb.DecodeRequest(request_id=rid, first_tokens=p.first_tokens, num_writes=p.num_writes,
                                                 sampling=sp, prompt_token_ids=prompt)):
         tokens += chunk.token_ids
         if chunk.finish_reason:
@@ -110,6 +110,31 @@ def test_disaggregated_greedy_equals_single_process(pair, smollm):
     assert d.load.free_blocks == d.load.total_blocks == 256
     assert p.load.free_blocks == p.load.total_blocks
     assert d.counters["transfers_completed"] >= 2 and d.counters["stale_immediates_dropped"] == 0
+
+
+def test_the_prefill_worker_says_whether_each_first_token_ends_its_choice(pair, smollm):
+    """The first token's finish reason is the prefill worker's (the router no longer derives it):
+    "length" at max_tokens 1, "stop" for a stop token, "" otherwise, one per choice; the decode
+    worker then ends such a choice at once."""
+    prefill, decode, engine = pair
+    tk = smollm.tokenizer
+    prompt = tk.encode(tk.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+
+    def first(rid, params):
+        r = decode.Reserve(pb.ReserveRequest(request_id=rid, num_prompt_tokens=len(prompt), max_tokens=params.max_tokens))
+        p = prefill.Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=sampling_to_proto(params),
+                                              decode_worker_id="d", block_ids=r.block_ids, slot=r.slot,
+                                              generation=r.generation))
+        decode.Abort(pb.AbortRequest(request_id=rid, writer_stopped=True))
+        return list(p.first_tokens), list(p.finish_reasons)
+
+    [token], reasons = first(f"{engine}-f0", SamplingParams(max_tokens=4, temperature=0))
+    assert reasons == [""]
+    assert first(f"{engine}-f1", SamplingParams(max_tokens=1, temperature=0)) == ([token], ["length"])
+    assert first(f"{engine}-f2", SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[token])) == ([token], ["stop"])
+    tokens, reasons = first(f"{engine}-f3", SamplingParams(max_tokens=1, temperature=0.8, seed=3, n=3))
+    assert len(tokens) == 3 and reasons == ["length"] * 3
+    assert decode.Stats(pb.StatsRequest()).load.free_blocks == 256
 
 
 def test_reserve_refuses_when_full_and_abort_returns_blocks(pair):
@@ -144,7 +169,7 @@ def test_cancelled_decode_stream_frees_blocks(pair, smollm):
     r = decode.Reserve(pb.ReserveRequest(request_id="cx", num_prompt_tokens=len(prompt), max_tokens=200))
     p = prefill.Prefill(pb.PrefillRequest(request_id="cx", token_ids=prompt, sampling=sp, decode_worker_id="d",
                                           block_ids=r.block_ids, slot=r.slot, generation=r.generation))
-    stream = decode.Decode(pb.DecodeRequest(request_id="cx", first_token=p.first_token, num_writes=p.num_writes,
+    stream = decode.Decode(pb.DecodeRequest(request_id="cx", first_tokens=p.first_tokens, num_writes=p.num_writes,
                                             sampling=sp, prompt_token_ids=prompt))
     next(stream)
     next(stream)
@@ -162,7 +187,7 @@ def test_colocated_generate_equals_single_process(pair, smollm):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     [expected] = build_generator(smollm, CacheConfig(num_blocks=64)).generate([prompt], params)
     tokens = []
-    for chunk in decode.Generate(pb.GenerateRequest(request_id=f"co-{engine}", prompt_token_ids=prompt,
+    for chunk in decode.ServeColocated(pb.ColocatedRequest(request_id=f"co-{engine}", prompt_token_ids=prompt,
                                                     sampling=sampling_to_proto(params))):
         tokens += chunk.token_ids
         if chunk.finish_reason:
