@@ -123,7 +123,7 @@ def test_add_prefilled_continues_exactly_like_a_local_prefill(gen, smollm):
     blocks = gen.pool.allocator.allocate(blocks_needed(len(prompt), 16))
     logits = smollm.model.forward(ForwardBatch.build([SeqChunk(prompt, 0, blocks)], 16), gen.pool)
     first = int(logits[0].argmax())
-    assert gen.add_prefilled("p", prompt, first, blocks, params) == []
+    assert gen.add_prefilled("p", prompt, [first], blocks, params) == []
     tokens = [first]
     while gen.has_unfinished():
         for out in gen.step():
@@ -131,7 +131,7 @@ def test_add_prefilled_continues_exactly_like_a_local_prefill(gen, smollm):
     assert tokens == local.token_ids
     assert gen.num_free_blocks == 128
     blocks = gen.pool.allocator.allocate(blocks_needed(len(prompt), 16))
-    [done] = gen.add_prefilled("q", prompt, 2, blocks, SamplingParams(max_tokens=5, temperature=0))
+    [done] = gen.add_prefilled("q", prompt, [2], blocks, SamplingParams(max_tokens=5, temperature=0))
     assert done.finish_reason == FinishReason.STOP and done.request_finished
     assert gen.num_free_blocks == 128
 
