@@ -1,5 +1,7 @@
 """`python -m loadtest.soak` end to end, briefly: a real ``pdserve up`` on 127.0.0.1, a few
-seconds of load, memory samples of every process and the JSON verdict (~40 s on 2 cores)."""
+seconds of load, memory samples of every process and the JSON verdict. Measured 87-101 s wall
+(38 s of CPU) on 2 cores busy with other runs (load average 11-13); marked slow until it is timed
+on a quiet machine (the bar for this test is 60 s)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 
