@@ -10,7 +10,9 @@ Lifecycle of a worker process (`serve`):
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -33,6 +35,36 @@ from worker.registration import RegistrationClient
 from worker.rpcserver import AioServer
 
 log = logging.getLogger(__name__)
+
+PREFILL_KERNEL_CACHE = 64
+"""oneDNN primitives a prefill worker keeps cached (oneDNN's cache and ideep's, each): a pass
+reuses ~6 matmul shapes on every layer, and the next pass usually has another row count."""
+MMAP_THRESHOLD = 1 << 20
+"""glibc: blocks of at least this many bytes are mmapped, and unmapped when freed."""
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8   # mallopt parameters (glibc malloc.h)
+
+
+def bound_native_memory(role: str) -> None:
+    """Keep a prefill worker's resident memory flat over a long run (docs/PERFORMANCE.md, "Memory
+    over a long run"); the decode worker, whose shapes are few, is left as it is.
+
+    Every prefill pass has its own row count, and each new shape of a oneDNN matmul is a new
+    primitive, cached by oneDNN and by ideep (1024 entries each by default, ~0.5 MB apiece): the
+    caches fill for the first hour or so. Both are bounded to `PREFILL_KERNEL_CACHE` entries
+    (through their environment variables, read at their first use: call this before the model is
+    loaded; values already in the environment win). glibc's mmap threshold, which rises to 32 MB
+    as large blocks are freed and then leaves their varying sizes as holes in the heap, is fixed at
+    `MMAP_THRESHOLD`, and the process gets at most 2 malloc arenas."""
+    if role != "prefill":
+        return
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(PREFILL_KERNEL_CACHE))
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(_M_ARENA_MAX, 2)
+    except (OSError, AttributeError):   # not glibc: nothing to tune
+        pass
 
 
 @dataclass
@@ -159,6 +191,7 @@ class WorkerServer:
 def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerServer]) -> int:
     """Run a worker until SIGTERM/SIGINT; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.worker_id} %(levelname)s %(name)s: %(message)s")
+    bound_native_memory(config.role)
     server = build(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
