@@ -2,8 +2,8 @@
 
 import sys
 
-from decode.server import build_decode_server
+from decode.server import build_decode_process
 from worker.cli import parse_config
 from worker.runtime import serve
 
-sys.exit(serve(parse_config("decode"), build_decode_server))
+sys.exit(serve(parse_config("decode"), build_decode_process))

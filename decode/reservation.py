@@ -5,8 +5,10 @@
        │             │
        └─────────────┴──────> FAILED
 
-ServeColocated creates one already DECODING. `decode.worker.DecodeWorker` drives it (its
-docstring has the lifecycle).
+Reserve creates one RESERVED with a `TransferSlot`; ServeColocated creates one already DECODING
+with none (no KV transfer: a colocated request never touches the completion counter). Only a
+reservation with a transfer is ever RESERVED or WAITING_KV. `decode.worker.DecodeWorker` drives it
+(its docstring has the lifecycle).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from decode.sink import Sink
 from engine.ids import BlockId
 from engine.sampling import SamplingParams
+from kvtransfer import Generation, SlotId
 
 
 class ResState(enum.IntEnum):
@@ -36,17 +39,27 @@ _NEXT = {
 }
 
 
+@dataclass(frozen=True)
+class TransferSlot:
+    """The completion-counter slot a request's KV writes are counted in (`kvtransfer.counter`),
+    and the generation of this use of it: every write carries both as its immediate."""
+
+    slot: SlotId
+    generation: Generation
+
+
 @dataclass
 class Reservation:
-    """Blocks and a transfer slot held for one request until its KV arrives, then the request.
+    """One request on the decode worker: blocks and a transfer slot held until its KV arrives,
+    then the decoding request.
 
-    ``deadline``: monotonic seconds at which a RESERVED reservation expires; ``sink`` is set by
-    Decode / ServeColocated."""
+    ``transfer``: the slot its KV writes are counted in; None for a colocated request (no KV
+    transfer), which starts DECODING. ``deadline``: monotonic seconds at which a RESERVED
+    reservation expires; ``sink`` is set by Decode / ServeColocated."""
 
     request_id: str
     blocks: list[BlockId]
-    slot: int
-    generation: int
+    transfer: TransferSlot | None
     num_prompt_tokens: int
     deadline: float
     state: ResState = ResState.RESERVED
@@ -56,8 +69,21 @@ class Reservation:
     first_tokens: list[int] = field(default_factory=list)   # one per choice
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
-    num_held: int = 0   # blocks[:num_held] came from the prefix cache: no transfer writes them
+    num_held_blocks: int = 0   # blocks[:num_held_blocks] came from the prefix cache: not written
     reserved_prompt: list[int] | None = None   # the prompt given at Reserve (Decode must repeat it)
+
+    def __post_init__(self) -> None:
+        if (self.transfer is None) != (self.state == ResState.DECODING):
+            raise AssertionError(f"reservation {self.request_id}: one with a transfer starts RESERVED, "
+                                 "one without (colocated) DECODING")
+
+    def require_transfer(self) -> TransferSlot:
+        """``transfer``, for a reservation that has one: every RESERVED or WAITING_KV one, and one
+        that failed or decodes after its KV. Raises AssertionError for a colocated request (it has
+        no transfer and never touches the counter)."""
+        if self.transfer is None:
+            raise AssertionError(f"reservation {self.request_id} has no KV transfer (colocated)")
+        return self.transfer
 
     def move(self, new: ResState) -> None:
         if new not in _NEXT[self.state]:

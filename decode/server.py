@@ -1,4 +1,5 @@
-"""Assemble a decode worker process: counter -> transfer engine -> worker -> service -> server."""
+"""Assemble a decode worker process: counter -> transfer engine -> `DecodeWorker` (the core) ->
+`DecodeService` (gRPC) -> `WorkerProcess` (gRPC server + registration)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,14 @@ from decode.service import DecodeService
 from decode.arrivals import DecodeArrivals
 from decode.worker import DecodeWorker
 from worker.config import WorkerConfig
-from worker.runtime import WorkerServer, build_resources
+from worker.runtime import WorkerProcess, build_resources
 
 NUM_TRANSFER_SLOTS = 4096
 
 
-def build_decode_server(config: WorkerConfig, loaded=None) -> WorkerServer:
-    """A ready-to-start decode `WorkerServer` (``loaded`` lets tests share one loaded model)."""
+def build_decode_process(config: WorkerConfig, loaded=None) -> WorkerProcess:
+    """A ready-to-start decode `WorkerProcess` (``loaded`` lets tests share one loaded model)."""
     arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
     res = build_resources(config, arrivals=arrivals, loaded=loaded)
     worker = DecodeWorker(res, arrivals)
-    return WorkerServer(res, DecodeService(res, worker))
+    return WorkerProcess(res, DecodeService(res, worker))

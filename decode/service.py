@@ -77,8 +77,9 @@ class DecodeService(pb_grpc.DecodeServicer):
             done.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
                                    or self.worker.abort(rid, writer_stopped=True))
             raise
-        return pb.ReserveResponse(block_ids=r.blocks, slot=r.slot, generation=r.generation,
-                                  lease_s=self.res.config.transfer_timeout_s, num_held_blocks=r.num_held)
+        t = r.require_transfer()   # Reserve always acquires one
+        return pb.ReserveResponse(block_ids=r.blocks, slot=t.slot, generation=t.generation,
+                                  lease_s=self.res.config.transfer_timeout_s, num_held_blocks=r.num_held_blocks)
 
     @stream
     async def Decode(self, request, context):

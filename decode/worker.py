@@ -2,7 +2,7 @@
 
 Lifecycle of a request (ARCHITECTURE.md, "One request, end to end"):
 
-    Reserve   blocks for the prompt + a transfer slot (slot, generation)    -> RESERVED
+    Reserve   blocks for the prompt + a `TransferSlot` (slot, generation)   -> RESERVED
               (no free blocks or slots: CapacityError; the router tries another worker). The
               reservation lives ``transfer_timeout_s`` (its lease, told to the router) waiting
               for its Decode call. With prefix caching and the prompt given, the blocks of its
@@ -27,6 +27,8 @@ Lifecycle of a request (ARCHITECTURE.md, "One request, end to end"):
               Blocks a transfer wrote are registered in the prefix cache only once the request
               joined the batch (every write in): an aborted transfer never poisons the cache.
     expiry    a reservation whose Decode never comes fails at the end of its lease.
+    colocated ServeColocated: prefilled and decoded here, no KV transfer (``transfer`` None: no
+              slot, no lease, the counter never touched)                     -> DECODING
 
 Threads and locks: ``decode-loop`` owns the generator. Two locks, always taken in this order:
 the `StepGate` (the generator; the loop holds it for a whole step and lets RPC threads in between
@@ -44,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 from decode.arrivals import DecodeArrivals
-from decode.reservation import Reservation, ResState
+from decode.reservation import Reservation, ResState, TransferSlot
 from decode.sink import Sink
 from engine.block_hash import block_hashes
 from engine.config import SchedulerConfig
@@ -127,7 +129,7 @@ class DecodeWorker:
         """Allocate blocks for the prompt and a transfer slot for ``transfer_timeout_s``.
 
         With prefix caching and ``prompt_token_ids`` (``num_prompt_tokens`` of them), the blocks
-        holding its longest cached prefix come first (``num_held`` of them, a reference each);
+        holding its longest cached prefix come first (``num_held_blocks`` of them, a reference each);
         only the rest is allocated, and only the rest is for the prefill worker to write.
 
         Raises:
@@ -166,8 +168,8 @@ class DecodeWorker:
             except TransferError as exc:
                 alloc.free(blocks)
                 raise CapacityError(str(exc)) from exc
-            r = Reservation(request_id, blocks, slot, generation, num_prompt_tokens,
-                            time.monotonic() + lease, num_held=held,
+            r = Reservation(request_id, blocks, TransferSlot(slot, generation), num_prompt_tokens,
+                            time.monotonic() + lease, num_held_blocks=held,
                             reserved_prompt=list(prompt_token_ids) if prompt_token_ids else None)
             self.metrics["blocks_held_at_reserve"] += held
             self._reservations[request_id] = r
@@ -206,8 +208,9 @@ class DecodeWorker:
             if r.reserved_prompt is not None and list(prompt_token_ids) != r.reserved_prompt:
                 raise InvalidRequestError("the prompt differs from the one reserved (its cached "
                                           "blocks were chosen by it)")
+            t = r.require_transfer()   # RESERVED: it has one
             try:
-                self.counter.expect(r.slot, r.generation, num_writes)
+                self.counter.expect(t.slot, t.generation, num_writes)
             except TransferError as exc:   # the slot failed or expired a moment ago
                 self._fail(r, exc)
                 raise UnknownRequestError(f"reservation {request_id!r} is gone: {exc}") from exc
@@ -232,8 +235,8 @@ class DecodeWorker:
             if request_id in self._reservations:
                 raise InvalidRequestError(f"request {request_id!r} is already in flight")
             self.gen.add_request(request_id, prompt_token_ids, params)
-            r = Reservation(request_id, [], -1, -1, len(prompt_token_ids), float("inf"),
-                            state=ResState.DECODING, sink=sink)
+            r = Reservation(request_id, [], None, len(prompt_token_ids), float("inf"),
+                            state=ResState.DECODING, sink=sink)   # no transfer: no slot, no lease
             self._reservations[request_id] = r
         self._wake.set()
 
@@ -245,8 +248,9 @@ class DecodeWorker:
             if r is None:
                 return False
             r.writer_stopped = r.writer_stopped or writer_stopped
-            if r.state in (ResState.RESERVED, ResState.WAITING_KV):
-                self.counter.fail(r.slot, r.generation, TransferError("aborted"))
+            if r.state in (ResState.RESERVED, ResState.WAITING_KV):   # a colocated one never is
+                t = r.require_transfer()
+                self.counter.fail(t.slot, t.generation, TransferError("aborted"))
                 self._fail(r, TransferError(f"request {request_id} was aborted"))
                 self.metrics["requests_aborted"] += 1
                 return True
@@ -314,17 +318,17 @@ class DecodeWorker:
         """Fail a reservation before it decodes; ``writer_done``: no write can still land."""
         if r.state in (ResState.FAILED, ResState.DONE):
             return
+        t = r.require_transfer()   # only a reservation waiting for its KV fails
         r.move(ResState.FAILED)
         self._waiting_kv.pop(r.request_id, None)
-        writers = set(self.counter.writers(r.slot, r.generation))
+        writers = set(self.counter.writers(t.slot, t.generation))
         # Every writer that touched the blocks may already have lost its connection (a killed
         # prefill worker is seen by the data plane before the router aborts): nothing can land.
         all_lost = bool(writers) and writers <= self.arrivals.lost
         stopped = writer_done or r.writer_stopped or isinstance(error, PeerLostError) or all_lost
-        self.counter.release(r.slot, r.generation,
-                             0.0 if stopped else self.res.config.quarantine_s)
+        self.counter.release(t.slot, t.generation, 0.0 if stopped else self.res.config.quarantine_s)
         self.metrics["transfers_failed"] += 1
-        held, written = r.blocks[:r.num_held], r.blocks[r.num_held:]
+        held, written = r.blocks[:r.num_held_blocks], r.blocks[r.num_held_blocks:]
         self.res.pool.allocator.free(held)   # cached blocks: no transfer writes them
         if stopped:
             self.res.pool.allocator.free(written)
@@ -350,8 +354,9 @@ class DecodeWorker:
         True if any changed."""
         changed = False
         for r in list(self._waiting_kv.values()):
-            st = self.counter.state(r.slot)
-            if st.generation != r.generation or st.state == SlotState.FREE:
+            t = r.require_transfer()
+            st = self.counter.state(t.slot)
+            if st.generation != t.generation or st.state == SlotState.FREE:
                 self._fail(r, TransferError(f"slot of {r.request_id} was released"))
             elif st.state == SlotState.FAILED:
                 self._fail(r, st.error or TransferError("transfer failed"))
@@ -373,7 +378,8 @@ class DecodeWorker:
             log.exception("request %s could not join the batch", r.request_id)
             self._fail(r, TransferError(f"could not join the batch: {exc}"), writer_done=True)
             return
-        self.counter.release(r.slot, r.generation)
+        t = r.require_transfer()
+        self.counter.release(t.slot, t.generation)
         self.metrics["transfers_completed"] += 1
         r.move(ResState.DECODING)
         for out in done:

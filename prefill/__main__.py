@@ -2,8 +2,8 @@
 
 import sys
 
-from prefill.server import build_prefill_server
+from prefill.server import build_prefill_process
 from worker.cli import parse_config
 from worker.runtime import serve
 
-sys.exit(serve(parse_config("prefill"), build_prefill_server))
+sys.exit(serve(parse_config("prefill"), build_prefill_process))

@@ -58,17 +58,17 @@ class PrefillLoad:
     draining: bool
 
 
-def check_destination(num_prompt_tokens: int, dst_blocks: list[int], num_held: int, peer_blocks: int,
-                      block_size: int) -> None:
+def check_destination(num_prompt_tokens: int, dst_blocks: list[int], num_held_blocks: int,
+                      peer_blocks: int, block_size: int) -> None:
     """Check a job's destination in the decode pool: ``dst_blocks`` are the distinct blocks, inside
-    the peer's ``peer_blocks``, of the prompt's blocks after the ``num_held`` full ones the decode
-    worker holds. Raises InvalidRequestError naming what is wrong."""
+    the peer's ``peer_blocks``, of the prompt's blocks after the ``num_held_blocks`` full ones the
+    decode worker holds. Raises InvalidRequestError naming what is wrong."""
     need = -(-num_prompt_tokens // block_size)
-    if not 0 <= num_held <= num_prompt_tokens // block_size:
-        raise InvalidRequestError(f"num_held_blocks {num_held} is more than the prompt's full blocks")
-    if len(dst_blocks) != need - num_held:
+    if not 0 <= num_held_blocks <= num_prompt_tokens // block_size:
+        raise InvalidRequestError(f"num_held_blocks {num_held_blocks} is more than the prompt's full blocks")
+    if len(dst_blocks) != need - num_held_blocks:
         raise InvalidRequestError(f"{len(dst_blocks)} destination blocks for a prompt needing {need} "
-                                  f"of which the decode worker holds {num_held}")
+                                  f"of which the decode worker holds {num_held_blocks}")
     if len(set(dst_blocks)) != len(dst_blocks):
         raise InvalidRequestError("destination block ids are not distinct")
     if any(not 0 <= b < peer_blocks for b in dst_blocks):
@@ -115,7 +115,7 @@ class PrefillJob:
     slot: int
     generation: int
     deadline: float
-    num_held: int = 0                 # leading prompt blocks the decode worker holds: not written
+    num_held_blocks: int = 0          # leading prompt blocks the decode worker holds: not written
     warm: bool = False                # a prefix-cache warm-up: no first token, no writes
     state: JobState = JobState.QUEUED
     queued_at: float = field(default_factory=time.monotonic)   # monotonic seconds (scheduling order)

@@ -86,8 +86,8 @@ class KVSender:
                 job.fail(PrefillTimeout(f"prefill of {job.request_id} passed its lease while computing"))
                 continue
             try:
-                plan = plan_writes(self.res.layout, job.peer.layout, job.block_table[job.num_held:], job.dst_blocks,
-                                   self.res.config.max_write_bytes, layers=[layer])
+                plan = plan_writes(self.res.layout, job.peer.layout, job.block_table[job.num_held_blocks:],
+                                   job.dst_blocks, self.res.config.max_write_bytes, layers=[layer])
                 ops = to_write_ops(plan, self.res.region, job.peer.remote_key,
                                    pack_immediate(job.slot, job.generation))
                 if ops:   # the decode worker may hold every block already
@@ -100,9 +100,9 @@ class KVSender:
     def count(self, job: PrefillJob) -> None:
         """Set ``job.num_writes`` (the plan's count over every layer: the immediates the decode
         worker counts) and ``job.bytes_skipped`` (the blocks the decode worker holds)."""
-        job.num_writes = count_writes(self.res.layout, job.peer.layout, job.block_table[job.num_held:],
+        job.num_writes = count_writes(self.res.layout, job.peer.layout, job.block_table[job.num_held_blocks:],
                                       job.dst_blocks, self.res.config.max_write_bytes)
-        job.bytes_skipped = job.num_held * self.res.layout.bytes_per_block
+        job.bytes_skipped = job.num_held_blocks * self.res.layout.bytes_per_block
 
     def finish(self, job: PrefillJob) -> None:
         """Hand ``job`` (posting nothing more) to the sender thread: it is retired once its

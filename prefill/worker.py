@@ -9,7 +9,7 @@ Lifecycle of a job (states in `prefill.job`):
                 the prompt's LAST chunk, as each layer finishes, the writes of that layer (K and V
                 of every block, planned by `kvtransfer.plan_writes`, each carrying the immediate
                 (slot, generation)) are posted to the decode worker. The first token is sampled.
-                Delta transfer: the first ``num_held`` blocks of the prompt, which the decode
+                Delta transfer: the prompt's first ``num_held_blocks`` blocks, which the decode
                 worker already holds, are neither planned nor written (nor counted).
     transfer    TRANSFERRING: the ``prefill-sender`` thread waits for every posted write to
                 complete
@@ -103,12 +103,13 @@ class PrefillWorker:
     # -- jobs --------------------------------------------------------------------------------------
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, decode_worker_id: str,
                dst_blocks: list[int], slot: int, generation: int, write_deadline_s: float = 0.0,
-               num_held: int = 0) -> PrefillJob:
+               num_held_blocks: int = 0) -> PrefillJob:
         """Check the arguments, then queue a job; returns at once (see `PrefillJob` for how the
         outcome arrives).
 
-        ``num_held``: the decode worker already holds the prompt's first ``num_held`` blocks
-        (full ones); ``dst_blocks`` are the destinations of the blocks after them.
+        ``num_held_blocks``: the decode worker already holds the prompt's first
+        ``num_held_blocks`` blocks (full ones); ``dst_blocks`` are the destinations of the blocks
+        after them.
 
         Raises (nothing queued): InvalidRequestError (prompt, sampling, block ids not distinct
         or outside the peer's pool, wrong block count, slot/generation out of range, bad
@@ -123,7 +124,8 @@ class PrefillWorker:
         peer = self.sender.peers.get(decode_worker_id)
         if peer is None:
             raise PrefillError(f"not connected to decode worker {decode_worker_id!r}")
-        check_destination(len(token_ids), dst_blocks, num_held, peer.layout.num_blocks, self.res.pool.block_size)
+        check_destination(len(token_ids), dst_blocks, num_held_blocks, peer.layout.num_blocks,
+                          self.res.pool.block_size)
         need = blocks_needed(len(token_ids), self.res.pool.block_size)
         if need > self.res.pool.num_blocks:
             raise CapacityError(f"prompt needs {need} blocks; the prefill pool holds {self.res.pool.num_blocks}")
@@ -131,7 +133,7 @@ class PrefillWorker:
         if write_deadline_s > 0:
             lease = min(lease, write_deadline_s)
         job = PrefillJob(request_id, list(token_ids), params, peer, list(dst_blocks), slot, generation,
-                         time.monotonic() + lease, num_held=num_held)
+                         time.monotonic() + lease, num_held_blocks=num_held_blocks)
         job.matcher = matcher_for(self.grammars, params, token_ids)
         with self._lock:
             if self._draining:

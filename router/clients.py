@@ -52,10 +52,11 @@ def _translate(exc: grpc.aio.AioRpcError, worker_id: str, what: str) -> WorkerCa
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """A decode worker's reservation. ``expires_at``: router-monotonic seconds when its lease
-    ends (computed from ``lease_s`` when the answer arrived, so it is never later than the
-    worker's own expiry)."""
+class DecodeLease:
+    """What a decode worker's ``Reserve`` answered: the blocks and transfer slot it reserved for
+    the request, until ``expires_at`` (router-monotonic seconds when the lease ends, computed
+    from ``lease_s`` when the answer arrived, so it is never later than the worker's own
+    expiry)."""
 
     block_ids: tuple[int, ...]
     slot: int
@@ -110,7 +111,7 @@ class WorkerClient:
 
     # -- decode --------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      prompt: Sequence[int] = ()) -> Reservation:
+                      prompt: Sequence[int] = ()) -> DecodeLease:
         """``prompt``: given to a decode worker with a prefix cache (it holds the cached blocks).
         Raises `WorkerFailed` on a reply whose ``num_held_blocks`` exceeds its blocks."""
         resp = await self._unary("Reserve", self._decode.Reserve, pb.ReserveRequest(
@@ -119,7 +120,7 @@ class WorkerClient:
         if resp.num_held_blocks > len(resp.block_ids):
             raise WorkerFailed(self.worker_id, "Reserve", "BAD_REPLY",
                                f"{resp.num_held_blocks} held blocks of {len(resp.block_ids)}")
-        return Reservation(tuple(resp.block_ids), resp.slot, resp.generation, time.monotonic() + resp.lease_s,
+        return DecodeLease(tuple(resp.block_ids), resp.slot, resp.generation, time.monotonic() + resp.lease_s,
                            resp.num_held_blocks)
 
     def decode(self, request_id: str, first_tokens: Sequence[int], num_writes: int, sampling: pb.SamplingParams,

@@ -4,12 +4,13 @@ Lifecycle of a request (`Orchestrator.generate`, an async iterator of `Delta`):
 
     place     through the admission queue (`router.admission`): a prefill worker with room in
               its budget of in-flight prompt tokens (``prefill_inflight_tokens``) and a decode
-              worker (policy) linked to it whose ``Reserve`` succeeds -> blocks, slot,
-              generation, lease. A full decode worker: try the next; none: wait in the queue
-              (bounded: `Overloaded` when full, `CapacityTimeout` after ``queue_timeout_s``).
+              worker (policy) linked to it whose ``Reserve`` succeeds -> a `DecodeLease`
+              (blocks, slot, generation, lease). A full decode worker: try the next; none: wait
+              in the queue (bounded: `Overloaded` when full, `CapacityTimeout` after
+              ``queue_timeout_s``).
               No connected pair for ``wait_for_workers_s``: `NoWorkers`.
     prefill   ``Prefill`` on that prefill worker, its writes bounded by what is left of the
-              reservation's lease -> first token, num_writes. The first token is yielded (TTFT).
+              decode lease -> first token, num_writes. The first token is yielded (TTFT).
     decode    ``Decode`` stream -> tokens, detokenized here; a stop string ends the request
               (the stream is cancelled and the decode worker told to Abort).
     release   on any failure, cancellation (client gone) or router-side stop, the workers
@@ -28,10 +29,11 @@ Workers are called through `router.clients` only: its three exceptions are all t
 handles (`WorkerRejected` -> `InvalidRequest`, `WorkerFull` -> the next worker, `WorkerFailed`
 -> retry).
 
-A worker failing before any token reached the client, or dying mid-stream, costs one attempt
-(`RouterConfig.max_attempts`); the next attempt re-prefills prompt + tokens generated so far on a
-new pair (request id suffixed ``~N``). Bad input found by a worker (INVALID_ARGUMENT) is not
-retried.
+Each placement of a request is an `Attempt` (`router.request`: the workers it holds, for
+release). A worker failing before any token reached the client, or dying mid-stream, costs one
+attempt (`RouterConfig.max_attempts`); the next attempt re-prefills prompt + tokens generated so
+far on a new pair (request id suffixed ``~N``). Bad input found by a worker (INVALID_ARGUMENT) is
+not retried.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from router.errors import InvalidRequest, NoWorkers, UpstreamError
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
 from router.policy import Inflight, Policy, avoid_last, sequence_blocks
-from router.request import Delta, GenerationRequest, Holding
+from router.request import Attempt, Delta, GenerationRequest
 from router.serving import ServingPath, choose_path, prefill_backlogged
 from router.warmup import Warmups
 from rpc import pdserve_pb2 as pb
@@ -115,7 +117,7 @@ class _Run:
                      self.index)
 
 
-_WRITE_MARGIN_S = 1.0   # the prefill stops posting this long before the reservation's lease ends
+_WRITE_MARGIN_S = 1.0   # the prefill stops posting this long before the decode lease ends
 
 
 class Orchestrator:
@@ -163,7 +165,7 @@ class Orchestrator:
                      failed_workers=failed) for i in range(req.n)]
         path, hashes = self._path(req.prompt_token_ids)
         self.metrics.requests_by_path.labels(path.value).inc()
-        attempt = failures = 0
+        tries = failures = 0
         while True:
             todo = [r for r in runs if r.finish_reason is None]
             if not todo:
@@ -171,16 +173,16 @@ class Orchestrator:
             # n > 1: one attempt forks every choice from one prefill; once a choice has output, an
             # unfinished choice is resumed alone (prompt + its output, its own seed stream).
             group = todo if len(todo) == req.n and not any(r.generated for r in todo) else todo[:1]
-            attempt += 1
-            rid = req.request_id if attempt == 1 else f"{req.request_id}~{attempt}"
+            tries += 1
+            rid = req.request_id if tries == 1 else f"{req.request_id}~{tries}"
             try:
                 # the prompt's block hashes serve the first attempt (a resumed one has more tokens)
-                async with aclosing(self._attempt(rid, group, path, hashes if attempt == 1 else None)) as deltas:
+                async with aclosing(self._attempt(rid, group, path, hashes if tries == 1 else None)) as deltas:
                     async for delta in deltas:
                         yield delta
             except _Retry as exc:
                 failures += 1
-                log.warning("request %s attempt %d failed: %s", rid, attempt, exc)
+                log.warning("request %s attempt %d failed: %s", rid, tries, exc)
                 if failures >= self.config.max_attempts:
                     raise UpstreamError(f"request failed on {failures} attempts; last: {exc}") from exc
                 self.metrics.retries.inc()
@@ -199,13 +201,13 @@ class Orchestrator:
         prompt = list(lead.req.prompt_token_ids) + lead.generated
         remaining = lead.req.max_tokens - len(lead.generated)
         sampling = self._sampling(runs, remaining)
-        hold = Holding(rid)
-        hold.hashes = hashes
+        attempt = Attempt(rid)
+        attempt.hashes = hashes
         try:
             if path is ServingPath.DISAGGREGATED:
                 await self.admission.acquire(
-                    lambda since: self._place(hold, prompt, remaining, lead.failed_workers, since))
-                first = await self._prefill(hold, prompt, sampling)
+                    lambda since: self._place(attempt, prompt, remaining, lead.failed_workers, since))
+                first = await self._prefill(attempt, prompt, sampling)
                 firsts, reasons, lps = list(first.first_tokens), list(first.finish_reasons), list(first.first_logprobs)
                 if len(firsts) != len(runs) or len(reasons) != len(runs):
                     raise UpstreamError(f"the prefill worker sent {len(firsts)} first tokens and {len(reasons)} "
@@ -215,31 +217,32 @@ class Orchestrator:
                     yield run.delta(text, [token], lps[i:i + 1], first.prompt_logprobs)
                 if all(r.finish_reason is not None for r in runs):
                     return   # the release below frees the reservation (the writer stopped)
-                stream = self._client(hold.decode).decode(rid, firsts, first.num_writes, sampling, prompt,
-                                                          self.config.decode_timeout_s)
+                stream = self._client(attempt.decode).decode(rid, firsts, first.num_writes, sampling, prompt,
+                                                             self.config.decode_timeout_s)
             else:
                 await self.admission.acquire(
-                    lambda since: self._place_colocated(hold, prompt, lead.failed_workers, since))
-                stream = self._client(hold.decode).serve_colocated(rid, prompt, sampling, self.config.decode_timeout_s)
-            async with aclosing(self._stream(stream, hold, runs)) as deltas:
+                    lambda since: self._place_colocated(attempt, prompt, lead.failed_workers, since))
+                stream = self._client(attempt.decode).serve_colocated(rid, prompt, sampling,
+                                                                      self.config.decode_timeout_s)
+            async with aclosing(self._stream(stream, attempt, runs)) as deltas:
                 async for delta in deltas:
                     yield delta
-            hold.done = True
-            self._after_finish(hold, runs)
+            attempt.done = True
+            self._after_finish(attempt, runs)
         except WorkerRejected as exc:
             raise InvalidRequest(f"the worker rejected the request: {exc.details}") from exc
         except _Retry:
-            lead.failed_workers.update(m.worker_id for m in (hold.decode, hold.prefill) if m)
+            lead.failed_workers.update(m.worker_id for m in (attempt.decode, attempt.prefill) if m)
             raise
         except WorkerCallError as exc:
-            lead.failed_workers.update(m.worker_id for m in (hold.decode, hold.prefill) if m)
+            lead.failed_workers.update(m.worker_id for m in (attempt.decode, attempt.prefill) if m)
             raise _Retry(str(exc)) from exc
         finally:
-            if hold.colocated:
-                self._colocated[hold.decode.worker_id] -= 1
+            if attempt.colocated:
+                self._colocated[attempt.decode.worker_id] -= 1
             self.admission.notify()
-            if not hold.done and hold.decode is not None:
-                self._spawn(self._release(hold))
+            if not attempt.done and attempt.decode is not None:
+                self._spawn(self._release(attempt))
 
     def _path(self, prompt: tuple[int, ...]) -> tuple[ServingPath, list[bytes] | None]:
         """The request's path and, when that needed them, its prompt's block hashes. ``auto``
@@ -259,11 +262,11 @@ class Orchestrator:
                                                        self.inflight.prefill_tokens,
                                                        c.auto_prefill_backlog_tokens)), hashes
 
-    def _prompt_hashes(self, hold: Holding, prompt: list[int], block_size: int) -> Sequence[bytes]:
+    def _prompt_hashes(self, attempt: Attempt, prompt: list[int], block_size: int) -> Sequence[bytes]:
         """The attempt's prompt block hashes for a policy that uses them, computed once."""
-        if self.policy.uses_hashes and hold.hashes is None:
-            hold.hashes = block_hashes(prompt, block_size)
-        return hold.hashes or ()
+        if self.policy.uses_hashes and attempt.hashes is None:
+            attempt.hashes = block_hashes(prompt, block_size)
+        return attempt.hashes or ()
 
     def _sampling(self, runs: list[_Run], remaining: int) -> pb.SamplingParams:
         run = runs[0]
@@ -293,10 +296,10 @@ class Orchestrator:
         queued = self.inflight.prefill_tokens.get(p.worker_id, 0)
         return queued == 0 or queued + tokens <= self.config.prefill_inflight_tokens
 
-    async def _place(self, hold: Holding, prompt: list[int], max_tokens: int, avoid: set[str],
+    async def _place(self, attempt: Attempt, prompt: list[int], max_tokens: int, avoid: set[str],
                      since: float) -> bool | None:
         """Reserve on a decode worker linked to a prefill worker with room; True when placed
-        (``hold`` filled), None when no worker has room now. A decode worker with a prefix
+        (``attempt`` filled), None when no worker has room now. A decode worker with a prefix
         cache gets the prompt, to hold its cached blocks (delta transfer)."""
         decodes = self._decode_candidates()
         if not decodes:
@@ -307,36 +310,36 @@ class Orchestrator:
         room = {p.worker_id for p in prefills}
         bs = max(1, decodes[0].block_size)
         need = -(-num_tokens // bs)
-        hashes = self._prompt_hashes(hold, prompt, bs)
+        hashes = self._prompt_hashes(attempt, prompt, bs)
         for d in avoid_last(self.policy.order_decode([d for d in decodes if d.peers & room], self.inflight,
                                                 need, hashes), avoid):
-            hold.decode = d   # from here a release aborts whatever Reserve left behind
+            attempt.decode = d   # from here a release aborts whatever Reserve left behind
             try:
-                hold.reservation = await self._client(d).reserve(hold.request_id, num_tokens, max_tokens,
-                                                                 prompt if d.prefix_caching else ())
+                attempt.lease = await self._client(d).reserve(attempt.request_id, num_tokens, max_tokens,
+                                                              prompt if d.prefix_caching else ())
             except WorkerFull:
-                hold.decode = None
+                attempt.decode = None
                 continue
             except WorkerFailed as exc:
                 log.warning("%s", exc)
-                self._spawn(self._abort_decode(d, hold.request_id, writer_stopped=True))
-                hold.decode = None
+                self._spawn(self._abort_decode(d, attempt.request_id, writer_stopped=True))
+                attempt.decode = None
                 continue
             linked = [p for p in prefills if d.worker_id in p.peers]
-            hold.prefill = avoid_last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
-            hold.prefill_tokens = num_tokens
-            self.inflight.add_reservation(d, len(hold.reservation.block_ids) - hold.reservation.num_held_blocks)
-            if hold.hashes:   # they are about to be cached there (router.kvindex)
-                self.membership.kv_index.predict(d.worker_id, hold.hashes)
-                self.membership.kv_index.predict(hold.prefill.worker_id, hold.hashes)
+            attempt.prefill = avoid_last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
+            attempt.prefill_tokens = num_tokens
+            self.inflight.add_reservation(d, len(attempt.lease.block_ids) - attempt.lease.num_held_blocks)
+            if attempt.hashes:   # they are about to be cached there (router.kvindex)
+                self.membership.kv_index.predict(d.worker_id, attempt.hashes)
+                self.membership.kv_index.predict(attempt.prefill.worker_id, attempt.hashes)
             if d.prefix_caching:
                 self.metrics.prefix_query_tokens.labels("decode").inc(num_tokens)
-                self.metrics.prefix_hit_tokens.labels("decode").inc(hold.reservation.num_held_blocks * bs)
-            self.inflight.start_prefill(hold.prefill.worker_id, num_tokens)
+                self.metrics.prefix_hit_tokens.labels("decode").inc(attempt.lease.num_held_blocks * bs)
+            self.inflight.start_prefill(attempt.prefill.worker_id, num_tokens)
             return True
         return None
 
-    async def _place_colocated(self, hold: Holding, prompt: list[int], avoid: set[str],
+    async def _place_colocated(self, attempt: Attempt, prompt: list[int], avoid: set[str],
                                since: float) -> bool | None:
         decodes = self.membership.routable("decode")
         if not decodes:
@@ -347,29 +350,30 @@ class Orchestrator:
             return None
         bs = max(1, decodes[0].block_size)
         need = -(-len(prompt) // bs)
-        hold.decode = avoid_last(self.policy.order_decode(open_, self.inflight, need,
-                                                     self._prompt_hashes(hold, prompt, bs)), avoid)[0]
-        hold.colocated = True
-        if hold.hashes:
-            self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes)
-        self._colocated[hold.decode.worker_id] += 1
-        self.inflight.add_reservation(hold.decode, need)  # until heartbeats show its load
+        attempt.decode = avoid_last(self.policy.order_decode(open_, self.inflight, need,
+                                                        self._prompt_hashes(attempt, prompt, bs)), avoid)[0]
+        attempt.colocated = True
+        if attempt.hashes:
+            self.membership.kv_index.predict(attempt.decode.worker_id, attempt.hashes)
+        self._colocated[attempt.decode.worker_id] += 1
+        self.inflight.add_reservation(attempt.decode, need)  # until heartbeats show its load
         return True
 
-    def _after_finish(self, hold: Holding, runs: list[_Run]) -> None:
+    def _after_finish(self, attempt: Attempt, runs: list[_Run]) -> None:
         """The decode worker now caches the prompt and what it decoded but the last token: tell
         the KV index before its events do; the prefill worker warms up with the same (`router.warmup`).
         Its blocks are free (or cached) there now, before a heartbeat says so (`Inflight`)."""
-        if hold.decode is not None:
-            self.inflight.add_release(hold.decode, sequence_blocks(
-                len(runs[0].req.prompt_token_ids), [len(r.generated) for r in runs], max(1, hold.decode.block_size)))
-        if hold.hashes and hold.decode is not None and hold.decode.prefix_caching:
+        if attempt.decode is not None:
+            self.inflight.add_release(attempt.decode, sequence_blocks(len(runs[0].req.prompt_token_ids),
+                                                                      [len(r.generated) for r in runs],
+                                                                      max(1, attempt.decode.block_size)))
+        if attempt.hashes and attempt.decode is not None and attempt.decode.prefix_caching:
             for run in runs:   # each choice's tokens start with the attempt's prompt
                 tokens = [*run.req.prompt_token_ids, *run.generated][:-1]
-                self.membership.kv_index.predict(hold.decode.worker_id, hold.hashes + block_hashes(
-                    tokens, hold.decode.block_size, start=len(hold.hashes), parent=hold.hashes[-1]))
-        if self.config.prefill_warmup and hold.prefill is not None and not hold.colocated:
-            self.warmups.after_finish(hold.prefill, hold.request_id, runs[0].req.prompt_token_ids,
+                self.membership.kv_index.predict(attempt.decode.worker_id, attempt.hashes + block_hashes(
+                    tokens, attempt.decode.block_size, start=len(attempt.hashes), parent=attempt.hashes[-1]))
+        if self.config.prefill_warmup and attempt.prefill is not None and not attempt.colocated:
+            self.warmups.after_finish(attempt.prefill, attempt.request_id, runs[0].req.prompt_token_ids,
                                       runs[0].generated)
 
     def _decode_candidates(self) -> list[Member]:
@@ -377,24 +381,24 @@ class Orchestrator:
         return [d for d in self.membership.routable("decode") if d.peers & prefills]
 
     # -- prefill ------------------------------------------------------------------------------
-    async def _prefill(self, hold: Holding, prompt: list[int], sampling: pb.SamplingParams) -> pb.PrefillResponse:
-        held = hold.reservation.num_held_blocks
-        req = pb.PrefillRequest(request_id=hold.request_id, token_ids=prompt, sampling=sampling,
-                                decode_worker_id=hold.decode.worker_id,
-                                block_ids=hold.reservation.block_ids[held:], num_held_blocks=held,
-                                slot=hold.reservation.slot, generation=hold.reservation.generation,
-                                write_deadline_s=hold.reservation.write_deadline_s(_WRITE_MARGIN_S))
-        hold.prefill_call = asyncio.ensure_future(
-            self._client(hold.prefill).prefill(req, self.config.prefill_timeout_s))
+    async def _prefill(self, attempt: Attempt, prompt: list[int], sampling: pb.SamplingParams) -> pb.PrefillResponse:
+        held = attempt.lease.num_held_blocks
+        req = pb.PrefillRequest(request_id=attempt.request_id, token_ids=prompt, sampling=sampling,
+                                decode_worker_id=attempt.decode.worker_id,
+                                block_ids=attempt.lease.block_ids[held:], num_held_blocks=held,
+                                slot=attempt.lease.slot, generation=attempt.lease.generation,
+                                write_deadline_s=attempt.lease.write_deadline_s(_WRITE_MARGIN_S))
+        attempt.prefill_call = asyncio.ensure_future(
+            self._client(attempt.prefill).prefill(req, self.config.prefill_timeout_s))
         try:
             # shielded: a cancelled request still learns when the writer stopped (see _release)
-            resp = await asyncio.shield(hold.prefill_call)
+            resp = await asyncio.shield(attempt.prefill_call)
         finally:
-            self.inflight.end_prefill(hold.prefill.worker_id, hold.prefill_tokens)
+            self.inflight.end_prefill(attempt.prefill.worker_id, attempt.prefill_tokens)
             self.admission.notify()
         self.metrics.kv_bytes.inc(resp.bytes_written)
         self.metrics.kv_bytes_skipped.inc(resp.bytes_skipped)
-        if hold.prefill.prefix_caching:
+        if attempt.prefill.prefix_caching:
             self.metrics.prefix_query_tokens.labels("prefill").inc(len(prompt))
             self.metrics.prefix_hit_tokens.labels("prefill").inc(resp.prefix_hit_tokens)
         self.metrics.kv_seconds.observe(resp.transfer_seconds)
@@ -402,16 +406,16 @@ class Orchestrator:
         return resp
 
     # -- decode -------------------------------------------------------------------------------
-    async def _stream(self, stream: TokenStream, hold: Holding, runs: list[_Run]) -> AsyncIterator[Delta]:
+    async def _stream(self, stream: TokenStream, attempt: Attempt, runs: list[_Run]) -> AsyncIterator[Delta]:
         """Deltas of a ``Decode`` or ``ServeColocated`` token stream (chunk ``index`` i is ``runs[i]``);
         once every choice finished, a router-side stop (a stop string) cancels the call and
-        releases ``hold``; the call is cancelled if the reader goes away."""
+        releases ``attempt``; the call is cancelled if the reader goes away."""
         ended: set[int] = set()   # choices the worker finished
         try:
             while True:
                 chunk = await stream.read(self.config.decode_stall_s)
                 if not 0 <= chunk.index < len(runs):
-                    raise UpstreamError(f"decode worker {hold.decode.worker_id} sent choice {chunk.index} "
+                    raise UpstreamError(f"decode worker {attempt.decode.worker_id} sent choice {chunk.index} "
                                         f"of {len(runs)}")
                 run = runs[chunk.index]
                 tokens, text, logprobs = [], "", []
@@ -423,10 +427,10 @@ class Orchestrator:
                             logprobs.append(chunk.logprobs[i])
                         text += run.add(t, chunk.finish_reason if i == last else None)
                 if run.finish_reason is None and chunk.finish_reason == "abort":
-                    raise _Retry(f"decode worker {hold.decode.worker_id} aborted the request")
+                    raise _Retry(f"decode worker {attempt.decode.worker_id} aborted the request")
                 if run.finish_reason is None and chunk.finish_reason == "error":
-                    hold.done = True   # the worker already freed it
-                    raise UpstreamError(f"decode worker {hold.decode.worker_id} failed this "
+                    attempt.done = True   # the worker already freed it
+                    raise UpstreamError(f"decode worker {attempt.decode.worker_id} failed this "
                                         "request's sampling")
                 if chunk.finish_reason:
                     ended.add(chunk.index)
@@ -438,27 +442,27 @@ class Orchestrator:
                 if all(r.finish_reason is not None for r in runs):
                     if len(ended) < len(runs):  # a stop string: the worker keeps going otherwise
                         stream.cancel()
-                        self._spawn(self._release(hold))
+                        self._spawn(self._release(attempt))
                     return
         finally:
             stream.cancel()
 
     # -- release ------------------------------------------------------------------------------
-    async def _release(self, hold: Holding) -> None:
+    async def _release(self, attempt: Attempt) -> None:
         """Abort the attempt on its workers: prefill first, then decode (see module doc).
 
         The writer has stopped when no Prefill was sent, when Prefill answered OK, or when the
         prefill worker acknowledged our Abort (it answers once its posted writes completed) and
         its Prefill call has then ended other than by our own deadline.
         """
-        writer_stopped = hold.prefill_call is None
-        call = hold.prefill_call
+        writer_stopped = attempt.prefill_call is None
+        call = attempt.prefill_call
         if call is not None:
             if call.done() and not call.cancelled() and call.exception() is None:
                 writer_stopped = True
             else:
                 try:
-                    await self._client(hold.prefill).abort_prefill(hold.request_id)
+                    await self._client(attempt.prefill).abort_prefill(attempt.request_id)
                     acked = True
                 except WorkerCallError as exc:
                     acked = False
@@ -469,7 +473,7 @@ class Orchestrator:
                 except WorkerCallError as exc:
                     code = exc.code
                 writer_stopped = acked and code != grpc.StatusCode.DEADLINE_EXCEEDED.name
-        await self._abort_decode(hold.decode, hold.request_id, writer_stopped)
+        await self._abort_decode(attempt.decode, attempt.request_id, writer_stopped)
 
     async def _abort_decode(self, d: Member, request_id: str, writer_stopped: bool) -> None:
         try:

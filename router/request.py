@@ -1,5 +1,6 @@
 """What the router's API layer hands the orchestrator (`GenerationRequest`) and what it gets
-back (`Delta`), shared by `router.orchestrator`, `router.response_bodies` and `router.api`."""
+back (`Delta`), shared by `router.orchestrator`, `router.response_bodies` and `router.api`; and
+the orchestrator's record of one placement of a request (`Attempt`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 from rpc import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.clients import Reservation
+    from router.clients import DecodeLease
     from router.membership import Member
 
 
@@ -59,13 +60,15 @@ class Delta:
     index: int = 0
 
 
-class Holding:
-    """Which workers hold one attempt of a request (`router.orchestrator`), for release."""
+class Attempt:
+    """One placement of a request (`router.orchestrator`; a retry is a new one, its request id
+    suffixed ``~N``): the workers it holds, for release. ``lease``: what the decode worker's
+    Reserve answered (None on the colocated path, which reserves nothing)."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.decode: Member | None = None
-        self.reservation: Reservation | None = None
+        self.lease: DecodeLease | None = None
         self.prefill: Member | None = None
         self.prefill_tokens = 0
         self.prefill_call: asyncio.Task | None = None

@@ -3,7 +3,8 @@
 Lifecycle of a worker process (`serve`):
 1. `build_resources`: load the model, allocate the KV pool (in shared memory for a decode worker
    whose engine may use shm), create the transfer engine and register the pool with it.
-2. Build the role's service, start the gRPC server, register with the router and heartbeat.
+2. Build the role's `WorkerProcess`: its service on a started gRPC server; register with the
+   router and heartbeat.
 3. SIGTERM / SIGINT: drain (refuse new work, finish in-flight requests up to a deadline), leave
    the router, stop the gRPC server, close the service and the transfer engine. Exit code 0.
 """
@@ -136,9 +137,10 @@ def worker_info(res: WorkerResources, address: str) -> pb.WorkerInfo:
         block_size=c.block_size, transfer_engine=c.transfer_engine, prefix_caching=c.prefix_caching)
 
 
-class WorkerServer:
-    """A running worker: gRPC server (`worker.rpcserver.AioServer`) + registration. `stop` drains
-    and shuts everything down."""
+class WorkerProcess:
+    """What a worker process runs (one per process, driven by `serve`): the role's service on a
+    gRPC server (`worker.rpcserver.AioServer`) + registration with the router. `start` registers;
+    `stop` drains and shuts everything down."""
 
     def __init__(self, res: WorkerResources, service: WorkerService):
         self.res = res
@@ -188,17 +190,17 @@ class WorkerServer:
         self.stopped.set()
 
 
-def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerServer]) -> int:
+def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerProcess]) -> int:
     """Run a worker until SIGTERM/SIGINT; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.worker_id} %(levelname)s %(name)s: %(message)s")
     bound_native_memory(config.role)
-    server = build(config)
+    process = build(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    while not stop.is_set() and not server.stopped.is_set():
+    process.start()
+    while not stop.is_set() and not process.stopped.is_set():
         stop.wait(0.5)
-    refused = server.stopped.is_set() and not stop.is_set()
-    server.stop()
+    refused = process.stopped.is_set() and not stop.is_set()
+    process.stop()
     return 3 if refused else 0

@@ -66,8 +66,8 @@ def reference(smollm):
 
 
 def _prefill(prefill, r, rid, prompt):
-    job = prefill.submit(rid, prompt, PARAMS, "d", r.blocks[r.num_held:], r.slot, r.generation,
-                         num_held=r.num_held)
+    job = prefill.submit(rid, prompt, PARAMS, "d", r.blocks[r.num_held_blocks:], r.transfer.slot,
+                         r.transfer.generation, num_held_blocks=r.num_held_blocks)
     assert job.finished.wait(120)
     return job.result()
 
@@ -101,14 +101,14 @@ def test_second_turn_receives_only_the_blocks_the_decode_worker_lacks(pair, smol
     tk = smollm.tokenizer
     turn1 = tk.encode(tk.apply_chat_template([{"role": "user", "content": "Describe a forest at dawn. " * 4}]))
     r1, res1, out1 = _run(prefill, decode, "t1", turn1)
-    assert out1 == reference(turn1) and r1.num_held == 0
+    assert out1 == reference(turn1) and r1.num_held_blocks == 0
     # turn 2 = turn 1 + its answer + a new message: the decode worker computed the answer's K/V
     turn2 = turn1 + out1 + tk.encode("<|im_start|>user\nAnd at night?<|im_end|>\n<|im_start|>assistant\n")
     computed = len(turn1) + len(out1) - 1          # the last sampled token's K/V is never computed
     held = min(computed // BS, len(turn2) // BS)
     r2, res2, out2 = _run(prefill, decode, "t2", turn2)
     assert out2 == reference(turn2)
-    assert r2.num_held == held > len(turn1) // BS   # more than the prompt: the decoded blocks too
+    assert r2.num_held_blocks == held > len(turn1) // BS   # more than the prompt: the decoded blocks too
     need = -(-len(turn2) // BS)
     assert res2.bytes_written == (need - held) * _block_bytes(decode)
     assert res2.bytes_skipped == held * _block_bytes(decode)
@@ -124,7 +124,7 @@ def test_a_fully_held_prompt_needs_no_write(pair, smollm, reference):
     _, _, out = _run(prefill, decode, "full-1", base)
     prompt = (base + out)[:(len(base) + len(out) - 1) // BS * BS]   # whole blocks, all cached
     r, res, tokens = _run(prefill, decode, "full-2", prompt)
-    assert r.num_held == len(prompt) // BS and res.num_writes == 0 and res.bytes_written == 0
+    assert r.num_held_blocks == len(prompt) // BS and res.num_writes == 0 and res.bytes_written == 0
     assert tokens == reference(prompt)
 
 
@@ -139,10 +139,11 @@ def test_aborted_transfer_into_a_shared_prefix_never_poisons_the_cache(pair, smo
     # the victim holds the shared prefix; its transfer is aborted on the decode side while the
     # prefill worker may be writing (no writer_stopped: the written blocks must be quarantined)
     victim = decode.reserve("victim", len(prompt), PARAMS.max_tokens, prompt)
-    held, written = victim.blocks[:victim.num_held], victim.blocks[victim.num_held:]
-    assert victim.num_held > 0 and written
-    job = prefill.submit("victim", prompt, PARAMS, "d", written, victim.slot, victim.generation,
-                         num_held=victim.num_held)
+    held, written = victim.blocks[:victim.num_held_blocks], victim.blocks[victim.num_held_blocks:]
+    assert victim.num_held_blocks > 0 and written
+    t = victim.transfer
+    job = prefill.submit("victim", prompt, PARAMS, "d", written, t.slot, t.generation,
+                         num_held_blocks=victim.num_held_blocks)
     assert decode.abort("victim")
     assert job.finished.wait(120)
     # held blocks went straight back to the cache, still registered; written ones are
@@ -153,7 +154,7 @@ def test_aborted_transfer_into_a_shared_prefix_never_poisons_the_cache(pair, smo
     # the same prompt again: the shared prefix is reused, no quarantined block is handed out,
     # and the output is the engine's (the aborted writes corrupted nothing it reads)
     r, _, tokens = _run(prefill, decode, "after-victim", prompt)
-    assert r.num_held == victim.num_held and not set(r.blocks) & set(written)
+    assert r.num_held_blocks == victim.num_held_blocks and not set(r.blocks) & set(written)
     assert tokens == reference(prompt)
     assert all(h not in {alloc._hash_of.get(b) for b in written}
                for h in block_hashes(prompt, BS))

@@ -45,7 +45,7 @@ def test_a_burst_finishes_shortest_first_and_each_output_is_the_engines(pair, sm
         reservations[rid] = decode.reserve(rid, len(prompt), PARAMS.max_tokens, prompt)
     for rid, prompt in prompts.items():   # the rest queue while the blocker computes
         r = reservations[rid]
-        jobs[rid] = prefill.submit(rid, prompt, PARAMS, "d", r.blocks, r.slot, r.generation)
+        jobs[rid] = prefill.submit(rid, prompt, PARAMS, "d", r.blocks, r.transfer.slot, r.transfer.generation)
         jobs[rid].add_done_callback(lambda job: (lock.acquire(), finished.append(job.request_id), lock.release()))
         while rid == "blocker" and jobs[rid].state == JobState.QUEUED:
             time.sleep(0.001)
