@@ -16,18 +16,26 @@ from router.config import RouterConfig
 from router.server import control_metadata
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pbg
+from tests.e2e import cluster_starts
 
 NUM_BLOCKS = 512  # per worker: 8192 tokens, enough for 16 concurrent short requests
 
-TOPOLOGIES = {
+# Clusters shared by every module that asks for the same name (start_cluster options): started on
+# first use, stopped after the last selected test that uses one, or at the end of the session. A
+# module hands one to its tests only with every pool full. A test that kills or drains workers,
+# changes membership or needs other flags starts its own cluster instead.
+SHARED = {
     "1p1d-auto": dict(num_prefill=1, num_decode=1, transfer_engine="auto"),   # shm on one host
     "2p2d-tcp": dict(num_prefill=2, num_decode=2, transfer_engine="tcp"),
+    "0p1d-colocated": dict(num_prefill=0, num_decode=1, serving_mode="colocated"),
 }
-
+TOPOLOGIES = ("1p1d-auto", "2p2d-tcp")   # the `cluster` fixture's, for modules that do not define one
 
 def start_cluster(log_dir: Path, **overrides) -> Cluster:
     config = LauncherConfig(http_port=0, registry_port=0, num_blocks=NUM_BLOCKS, log_dir=str(log_dir),
                             startup_timeout_s=240, grace_s=15, **overrides)
+    cluster_starts.started += 1
+    print(f"\n[e2e] cluster #{cluster_starts.started} starting: {overrides}", flush=True)
     return Cluster(config).start()
 
 
@@ -46,13 +54,83 @@ def _is_zombie_free(pid: int) -> bool:
         return True
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def cluster(request, tmp_path_factory):
-    """A running cluster per topology (module scope: each test module starts each once)."""
-    c = start_cluster(tmp_path_factory.mktemp(request.param), **TOPOLOGIES[request.param])
+def shared_name(item: pytest.Item) -> str | None:
+    """The `SHARED` cluster ``item`` runs on: its ``cluster`` fixture's parameter, if a name there."""
+    callspec = getattr(item, "callspec", None)
+    name = callspec.params.get("cluster") if callspec is not None and "cluster" in item.fixturenames else None
+    return name if name in SHARED else None
+
+
+class SharedClusters:
+    """The session's `SHARED` clusters. ``get`` starts one on first use; ``done`` (after each
+    test) stops one no later selected test uses; ``close`` stops the rest."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, users: dict[str, int]) -> None:
+        self._tmp = tmp_path_factory
+        self._users = dict(users)        # name -> selected tests still to run on it
+        self._running: dict[str, Cluster] = {}
+
+    def get(self, name: str) -> Cluster:
+        """The running cluster ``name``, every pool full (what earlier modules left has drained)."""
+        if name not in self._running:
+            self._running[name] = start_cluster(self._tmp.mktemp(name), **SHARED[name])
+        c = self._running[name]
+        assert_pools_full(c, timeout_s=60)
+        return c
+
+    def done(self, name: str) -> None:
+        self._users[name] -= 1
+        if self._users[name] <= 0 and name in self._running:
+            stop_cluster(self._running.pop(name))
+
+    def close(self) -> None:
+        errors = []
+        while self._running:
+            name, c = self._running.popitem()
+            try:
+                stop_cluster(c)
+            except Exception as exc:  # stop the others, then report
+                errors.append(f"{name}: {exc!r}")
+        assert not errors, f"shared clusters did not stop cleanly: {errors}"
+
+
+_pool: list[SharedClusters] = []   # the session's, while it runs (for pytest_runtest_teardown)
+
+
+@pytest.fixture(scope="session")
+def shared_clusters(request, tmp_path_factory):
+    users: dict[str, int] = {}
+    for item in request.session.items:
+        name = shared_name(item)
+        if name is not None:
+            users[name] = users.get(name, 0) + 1
+    pool = SharedClusters(tmp_path_factory, users)
+    _pool.append(pool)
+    yield pool
+    _pool.remove(pool)
+    pool.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    name = shared_name(item)
+    if name is not None and _pool:
+        _pool[0].done(name)
+    return result
+
+
+def pytest_terminal_summary(terminalreporter):
+    if cluster_starts.started:
+        terminalreporter.write_line(f"e2e: {cluster_starts.started} clusters started")
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def cluster(request, shared_clusters):
+    """A running shared cluster per topology (`SHARED`; each module gets it with its pools full)."""
+    c = shared_clusters.get(request.param)
     c.topology = request.param
-    yield c
-    stop_cluster(c)
+    return c
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.conftest import assert_pools_full, openai_client, start_cluster, stop_cluster, worker_stats
+from tests.e2e.conftest import assert_pools_full, openai_client, worker_stats
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -23,17 +23,13 @@ MODEL = "SmolLM2-135M-Instruct"
 TOL = 1e-4
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 
-TOPOLOGIES = {
-    "disaggregated-1p1d": dict(num_prefill=1, num_decode=1, transfer_engine="auto"),
-    "colocated-0p1d": dict(num_prefill=0, num_decode=1, serving_mode="colocated"),
-}
+# Shared clusters (tests/e2e/conftest.py SHARED), under this module's test ids.
+TOPOLOGIES = [pytest.param("1p1d-auto", id="disaggregated-1p1d"), pytest.param("0p1d-colocated", id="colocated-0p1d")]
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def cluster(request, tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp(request.param), **TOPOLOGIES[request.param])
-    yield c
-    stop_cluster(c)
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def cluster(request, shared_clusters):
+    return shared_clusters.get(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import assert_pools_full, start_cluster, stop_cluster
+from tests.e2e.conftest import assert_pools_full
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -57,11 +57,10 @@ metric_list:
 }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("lm-eval"), num_prefill=1, num_decode=1, transfer_engine="auto")
-    yield c
-    stop_cluster(c)
+@pytest.fixture(scope="module", params=["1p1d-auto"])
+def cluster(request, shared_clusters):
+    """1P1D over shm, shared with the other modules (tests/e2e/conftest.py SHARED)."""
+    return shared_clusters.get(request.param)
 
 
 def _lm_eval(tmp: Path, name: str, model: str, model_args: str) -> tuple[dict, dict, dict]:

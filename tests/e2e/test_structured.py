@@ -13,15 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from tests.e2e.conftest import assert_pools_full, openai_client, start_cluster, stop_cluster
+from tests.e2e.conftest import assert_pools_full, openai_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 MODEL = "SmolLM2-135M-Instruct"
-TOPOLOGIES = {
-    "disaggregated-1p1d": dict(num_prefill=1, num_decode=1, transfer_engine="auto"),
-    "colocated-0p1d": dict(num_prefill=0, num_decode=1, serving_mode="colocated"),
-}
+# Shared clusters (tests/e2e/conftest.py SHARED), under this module's test ids.
+TOPOLOGIES = [pytest.param("1p1d-auto", id="disaggregated-1p1d"), pytest.param("0p1d-colocated", id="colocated-0p1d")]
 PERSON = {
     "type": "object",
     "properties": {
@@ -40,11 +38,9 @@ STYLES = ["from Paris", "who loves chess", "in their twenties", "from a small vi
 PROMPTS = [f"Describe {s} {t} as a JSON object." for s in SUBJECTS for t in STYLES]   # 50
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def cluster(request, tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp(request.param), **TOPOLOGIES[request.param])
-    yield c
-    stop_cluster(c)
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def cluster(request, shared_clusters):
+    return shared_clusters.get(request.param)
 
 
 def _person(client, prompt: str, sampled: bool, i: int) -> str:
