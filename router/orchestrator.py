@@ -84,19 +84,15 @@ class _Run:
     reported: bool = False      # the delta with finish_reason went out
 
     def add(self, token: int, finish_reason: str | None) -> str:
-        """Append a token the worker sent, with the worker's finish reason for it (None or ""
-        while the choice runs: the worker decides stop tokens, ``max_tokens`` and the context,
-        `engine.sequence.token_finish_reason`); returns the text now safe to show. Only stop
-        strings are decided here. A stop token's text is never shown."""
+        """Append a token with the worker's finish reason for it ("" or None: running; the worker
+        decides stop tokens, max_tokens and the context, `engine.sequence.token_finish_reason`);
+        returns the text now safe to show (never a stop token's). Only stop strings end it here."""
         self.generated.append(token)
         if finish_reason == "stop":   # a stop token
             self.finish_reason = "stop"
             return self.detok.flush()
         text = self.detok.add(token)
-        if self.detok.stopped_by is not None:
-            self.finish_reason = "stop"
-        elif finish_reason:
-            self.finish_reason = finish_reason
+        self.finish_reason = "stop" if self.detok.stopped_by is not None else (finish_reason or None)
         if self.finish_reason is not None:
             text += self.detok.flush()
         return text
