@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest_plugins = ["tests.tier_times"]   # each tier's time in the terminal summary
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():

@@ -101,3 +101,13 @@ def test_bench_may_import_any_package(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "x.py").write_text("import deploy.launcher\nfrom engine.loader import load_model\n")
     assert arrows_not_allowed(tmp_path, "bench", _table()["bench"]) == []
+
+
+def test_tier_times_group_tests_by_their_folder():
+    from tests.tier_times import summary, tier_of
+
+    assert tier_of("tests/e2e/test_serving.py::test_x[1p1d]") == "e2e"
+    assert tier_of("tests/unit/test_docs.py::test_y") == "unit"
+    assert tier_of("test_top.py::z") == "other"
+    line = summary({"unit": 60.0, "e2e": 600.0}, {"unit": {"a", "b"}, "e2e": {"c"}})
+    assert line == "tier times: e2e 1 tests 10.0 min, unit 2 tests 1.0 min"
