@@ -55,7 +55,9 @@ def bound_native_memory(role: str) -> None:
     (through their environment variables, read at their first use: call this before the model is
     loaded; values already in the environment win). glibc's mmap threshold, which rises to 32 MB
     as large blocks are freed and then leaves their varying sizes as holes in the heap, is fixed at
-    `MMAP_THRESHOLD`, and the process gets at most 2 malloc arenas."""
+    `MMAP_THRESHOLD`, and the process gets at most 2 malloc arenas. The small caches make the
+    prefill worker rebuild kernels for row counts it saw before, which costs prefill throughput
+    (docs/PERFORMANCE.md, "Old vs new build: the one engine core")."""
     if role != "prefill":
         return
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
