@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.ids import BlockId
 from engine.errors import InvalidRequestError
+from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingError, SamplingParams, TokenLogprobs
 from engine.sequence import token_finish_reason
 from kvtransfer import KVLayout, PeerId, WriteHandle
@@ -63,7 +64,7 @@ def check_destination(num_prompt_tokens: int, dst_blocks: list[int], num_held_bl
     """Check a job's destination in the decode pool: ``dst_blocks`` are the distinct blocks, inside
     the peer's ``peer_blocks``, of the prompt's blocks after the ``num_held_blocks`` full ones the
     decode worker holds. Raises InvalidRequestError naming what is wrong."""
-    need = -(-num_prompt_tokens // block_size)
+    need = blocks_needed(num_prompt_tokens, block_size)
     if not 0 <= num_held_blocks <= num_prompt_tokens // block_size:
         raise InvalidRequestError(f"num_held_blocks {num_held_blocks} is more than the prompt's full blocks")
     if len(dst_blocks) != need - num_held_blocks:
