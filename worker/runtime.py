@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 PREFILL_KERNEL_CACHE = 64
 """oneDNN primitives a prefill worker keeps cached (oneDNN's cache and ideep's, each): a pass
 reuses ~6 matmul shapes on every layer, and the next pass usually has another row count."""
-MMAP_THRESHOLD = 1 << 20
-"""glibc: blocks of at least this many bytes are mmapped, and unmapped when freed."""
-_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8   # mallopt parameters (glibc malloc.h)
+MALLOC_ARENAS = 2
+"""glibc malloc arenas a prefill worker may create (``M_ARENA_MAX``)."""
+_M_ARENA_MAX = -8   # mallopt parameter (glibc malloc.h)
 
 
 def bound_native_memory(role: str) -> None:
@@ -53,19 +53,17 @@ def bound_native_memory(role: str) -> None:
     primitive, cached by oneDNN and by ideep (1024 entries each by default, ~0.5 MB apiece): the
     caches fill for the first hour or so. Both are bounded to `PREFILL_KERNEL_CACHE` entries
     (through their environment variables, read at their first use: call this before the model is
-    loaded; values already in the environment win). glibc's mmap threshold, which rises to 32 MB
-    as large blocks are freed and then leaves their varying sizes as holes in the heap, is fixed at
-    `MMAP_THRESHOLD`, and the process gets at most 2 malloc arenas. The small caches make the
-    prefill worker rebuild kernels for row counts it saw before, which costs prefill throughput
-    (docs/PERFORMANCE.md, "Old vs new build: the one engine core")."""
+    loaded; values already in the environment win), and the process gets at most
+    `MALLOC_ARENAS` glibc arenas. glibc's mmap threshold is left dynamic: fixing it low (every
+    large activation mmapped and unmapped) also bounds the heap's free holes, but halves the
+    prefill throughput (`python -m bench.shapes_memory --prefill-speed`)."""
     if role != "prefill":
         return
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(PREFILL_KERNEL_CACHE))
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        libc.mallopt(_M_ARENA_MAX, 2)
+        libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
     except (OSError, AttributeError):   # not glibc: nothing to tune
         pass
 
