@@ -15,6 +15,11 @@ class InvalidRequestError(EngineError, ValueError):
     """The request itself is wrong (empty prompt, max_tokens < 1, bad sampling values)."""
 
 
+class ChatTemplateError(InvalidRequestError):
+    """The chat template rejected the messages (its ``raise_exception``) or failed on them, or the
+    model has no template to render them with."""
+
+
 class ContextLengthError(InvalidRequestError):
     """Prompt plus requested tokens do not fit the model's context window."""
 

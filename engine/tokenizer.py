@@ -1,8 +1,11 @@
 """Tokenizer, chat template and incremental detokenization with stop strings.
 
 Built from GGUF metadata (``tokenizer.ggml.*``, byte-level BPE "gpt2" models) or from a Hugging
-Face ``tokenizer.json`` + ``tokenizer_config.json``. The router imports this module alone of the
-engine, so it depends on ``tokenizers`` and ``jinja2`` only (plus ``gguf`` to read metadata).
+Face directory: ``tokenizer.json``, ``tokenizer_config.json``, the chat templates
+(`engine.chat_template`: ``chat_template.jinja``, ``additional_chat_templates/``) and
+``generation_config.json`` (`engine.generation_config`: stop ids, default sampling). The router
+imports this module alone of the engine, so it depends on ``tokenizers`` and ``jinja2`` only (plus
+``gguf`` to read metadata).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from engine.errors import InvalidRequestError, TokenizerError
+from engine.chat_template import DEFAULT, ChatTemplate, load_hf_templates, special_token_variables
+from engine.errors import ChatTemplateError, InvalidRequestError, TokenizerError
+from engine.generation_config import GenerationDefaults, load_generation_config
 
 # llama.cpp pre-tokenizer names -> split digits one by one before the byte-level regex
 # (source: llama.cpp src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM / STARCODER).
@@ -46,9 +51,13 @@ class Tokenizer:
     Attributes:
         backend: a ``tokenizers.Tokenizer``.
         eos_token_id: the end-of-sequence id from the model's metadata.
-        stop_token_ids: ids that end generation (EOS plus the template's end-of-turn token).
-        chat_template: Jinja2 source, or None when the model has none.
-        bos_token / eos_token: strings passed to the template.
+        stop_token_ids: ids that end generation (EOS, the template's end-of-turn token and
+            the ids of ``generation_config.json``'s ``eos_token_id``).
+        chat_template: Jinja2 source, a dict of named templates (``chat_template`` of transformers'
+            tokenizers), or None when the model has none.
+        bos_token / eos_token: the model's BOS / EOS strings.
+        template_variables: the special tokens the template sees (``bos_token``, ``eos_token``, ...).
+        generation_defaults: ``generation_config.json``'s default sampling (empty for a GGUF).
         context_length: the model's context window in tokens, from the same metadata (None when
             the files do not say).
     """
@@ -62,7 +71,14 @@ class Tokenizer:
     add_bos: bool = False
     bos_token_id: int | None = None
     context_length: int | None = None
-    _template: object = field(default=None, repr=False)
+    template_variables: dict[str, str] = field(default_factory=dict)
+    generation_defaults: GenerationDefaults = GenerationDefaults()
+    _template: ChatTemplate | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.chat_template is not None:
+            named = self.chat_template if isinstance(self.chat_template, dict) else {DEFAULT: self.chat_template}
+            self._template = ChatTemplate(named, self.template_variables)
 
     @property
     def vocab_size(self) -> int:
@@ -94,8 +110,11 @@ class Tokenizer:
 
     @property
     def template_has_tools(self) -> bool:
-        """Whether the chat template renders a ``tools`` list itself."""
-        return bool(self.chat_template) and "tools" in self.chat_template
+        """Whether the chat template that renders a request with tools reads ``tools`` itself."""
+        try:
+            return self._template is not None and "tools" in self._template.select(tools=[])
+        except ChatTemplateError:
+            return False
 
     @functools.cached_property
     def _token_bytes(self) -> list[bytes]:
@@ -125,29 +144,20 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tools: Sequence[dict] | None = None) -> str:
-        """Render ``messages`` (``[{"role": ..., "content": str}]``) with the model's template;
-        ``tools`` (OpenAI tool objects) go to the template as ``tools`` (Hugging Face's name).
+                            tools: Sequence[dict] | None = None, documents: Sequence[dict] | None = None,
+                            **kwargs) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) as transformers 5's
+        ``apply_chat_template(..., tokenize=False)`` does (`engine.chat_template`). ``tools``: JSON
+        schemas (OpenAI tool objects), passed as given (None: no tools; a list, even empty, picks
+        a "tool_use" template); ``kwargs``: extra template variables.
 
         Raises:
-            InvalidRequestError: no template, or the template rejects the messages.
+            ChatTemplateError (an InvalidRequestError): no template, or the template rejects or
+                fails on the messages.
         """
-        if self.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token,
-                                         **({"tools": list(tools)} if tools else {}))
-        except InvalidRequestError:
-            raise
-        except Exception as exc:
-            raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        return self._template.render(messages, add_generation_prompt, tools, documents, **kwargs)
 
     def detokenizer(self, stop: Sequence[str] = (), min_tokens: int = 0) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, stop, min_tokens)
@@ -163,10 +173,6 @@ class Tokenizer:
         if path.is_dir():
             return _from_hf_dir(path)
         return _from_gguf(path)
-
-
-def _raise_template_error(message: str):
-    raise InvalidRequestError(f"chat template: {message}")
 
 
 def _from_gguf(path: Path) -> Tokenizer:
@@ -200,6 +206,7 @@ def _from_gguf(path: Path) -> Tokenizer:
         stop_token_ids=_stop_ids(vocab, eos, template),
         chat_template=template, bos_token=tokens[bos] if bos is not None else "",
         eos_token=tokens[eos], add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        template_variables={"bos_token": tokens[bos] if bos is not None else "", "eos_token": tokens[eos]},
         bos_token_id=int(bos) if bos is not None else None,
         context_length=_int_or_none(gguf_field(
             reader, f"{gguf_field(reader, 'general.architecture', 'llama')}.context_length")),
@@ -210,15 +217,18 @@ def _int_or_none(value) -> int | None:
     return int(value) if value else None
 
 
-def _stop_ids(vocab: dict[str, int], eos: int, template: str | None) -> frozenset[int]:
+def _stop_ids(vocab: dict[str, int], eos: int, template: str | dict[str, str] | None) -> frozenset[int]:
     ids = {eos}
+    text = "\n".join(template.values()) if isinstance(template, dict) else template
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
-        if end_of_turn in vocab and (template is None or end_of_turn in template):
+        if end_of_turn in vocab and (text is None or end_of_turn in text):
             ids.add(vocab[end_of_turn])
     return frozenset(ids)
 
 
 def _from_hf_dir(path: Path) -> Tokenizer:
+    """Raises `TokenizerError` (missing or malformed tokenizer files, a template that does not
+    parse) or `ModelLoadError` (a malformed ``generation_config.json``)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     file = path / "tokenizer.json"
@@ -237,14 +247,20 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     vocab = backend.get_vocab(with_added_tokens=True)
     if eos_token not in vocab:
         raise TokenizerError(f"{path}: eos token {eos_token!r} not in the vocabulary")
-    template = config.get("chat_template")
+    named = load_hf_templates(path, config)
+    template = named.get(DEFAULT) if set(named) == {DEFAULT} else (named or None)
     model_config = path / "config.json"
     context = (json.loads(model_config.read_text()).get("max_position_embeddings")
                if model_config.exists() else None)
+    defaults = load_generation_config(path)
+    out_of_vocab = [t for t in defaults.eos_token_ids if t >= backend.get_vocab_size(with_added_tokens=True)]
+    if out_of_vocab:
+        raise TokenizerError(f"{path}: generation_config.json eos_token_id {out_of_vocab} outside the vocabulary")
     return Tokenizer(backend=backend, eos_token_id=vocab[eos_token],
-                     stop_token_ids=_stop_ids(vocab, vocab[eos_token], template),
+                     stop_token_ids=_stop_ids(vocab, vocab[eos_token], template) | set(defaults.eos_token_ids),
                      chat_template=template, bos_token=bos_token, eos_token=eos_token,
-                     add_bos=False, bos_token_id=vocab.get(bos_token), context_length=_int_or_none(context))
+                     add_bos=False, bos_token_id=vocab.get(bos_token), context_length=_int_or_none(context),
+                     template_variables=special_token_variables(config), generation_defaults=defaults)
 
 
 class IncrementalDetokenizer:
