@@ -41,11 +41,10 @@ from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.policy import make_policy
-from router.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest, chat_messages,
-                             check_lengths, check_unicode, effective_temperature, prompt_of,
+from router.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_messages,
+                             check_lengths, check_unicode, default_max_tokens, effective_temperature, prompt_of,
                              choice_counts, prompt_logprobs_k, requested_logprobs, requested_max_tokens, stop_strings, token_id_fields,
-                             validate_sampling)
+                             validate_sampling, with_model_defaults)
 from router.request import Delta, GenerationRequest
 from router.response_bodies import Output, Shape, collect, error_body, router_error_body, stream
 from router.serving import healthy
@@ -204,6 +203,7 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
     _check_model(state, body.model)
     validate_sampling(body)
     tk = state.tokenizer
+    body = with_model_defaults(body, tk.generation_defaults)
     plan = None
     if chat:
         plan = (await asyncio.to_thread(plan_tools, body.tools, body.tool_choice) if body.tools is not None
@@ -230,8 +230,8 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
                 raise InvalidRequest(f"token ids out of range [0, {tk.vocab_size}): {bad[:5]}",
                                      param="prompt")
     max_tokens, param = requested_max_tokens(body)
-    max_tokens = check_lengths(len(ids), max_tokens, param, state.context_length,
-                               cfg.max_tokens_limit, None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+    max_tokens = check_lengths(len(ids), max_tokens, param, state.context_length, cfg.max_tokens_limit,
+                               default_max_tokens(chat, tk.generation_defaults, state.context_length - len(ids)))
     if body.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({body.min_tokens}) must not exceed {param} ({max_tokens})",
                              param="min_tokens")

@@ -302,6 +302,25 @@ def stop_strings(req: _SamplingFields) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def with_model_defaults(req: _SamplingFields, defaults) -> _SamplingFields:
+    """The request with the model's defaults (``defaults``: an `engine.generation_config.GenerationDefaults`,
+    from ``generation_config.json``) in the sampling fields it leaves unset, as vLLM's
+    ``--generation-config auto`` applies them: temperature, top_p, top_k, repetition_penalty. A field
+    the request sets wins. min_p is not served, so not applied; max_tokens: `default_max_tokens`."""
+    unset = {name: value for name, value in defaults.sampling().items()
+             if name in type(req).model_fields and getattr(req, name) is None}
+    return req.model_copy(update=unset) if unset else req
+
+
+def default_max_tokens(chat: bool, defaults, room: int) -> int | None:
+    """``check_lengths``' default for a request without max_tokens: completions 16 (OpenAI's);
+    chat the model's ``max_new_tokens`` when it is below ``room`` (the context left after the
+    prompt), else None (the rest of the context), as vLLM's ``get_max_tokens``."""
+    if not chat:
+        return DEFAULT_COMPLETION_MAX_TOKENS
+    return defaults.max_tokens if defaults.max_tokens is not None and defaults.max_tokens < room else None
+
+
 def requested_max_tokens(req: _SamplingFields) -> tuple[int | None, str]:
     """(value, field name) of the request's token limit, None when not given."""
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
