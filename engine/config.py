@@ -36,6 +36,45 @@ def kv_cache_dtype(weights: str) -> str:
     return KV_CACHE_DTYPES[weights]
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rotary scalings the engine implements (Hugging Face ``rope_type`` names; formulas in
+`engine.models.rope`)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rotary-embedding scaling, as a checkpoint's ``rope_parameters`` / ``rope_scaling`` gives it
+    (names and defaults: Hugging Face ``modeling_rope_utils.py``).
+
+    Fields:
+        rope_type: one of `ROPE_TYPES` other than "default".
+        factor: context extension factor (linear: positions divided by it).
+        original_max_position: the pre-training context, tokens (llama3, yarn).
+        low_freq_factor, high_freq_factor: llama3's wavelength bounds.
+        beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate: YaRN's
+            (attention_factor None: derived from ``factor`` and the mscales).
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES or self.rope_type == "default":
+            raise ModelLoadError(f"rope_type {self.rope_type!r} is not supported; supported: "
+                                 f"{', '.join(ROPE_TYPES)}")
+        if not self.factor > 0:
+            raise ModelLoadError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder, as stored in the weights file.
@@ -55,6 +94,10 @@ class ModelConfig:
         tie_word_embeddings: the LM head reuses the token embedding.
         architecture: the family that runs it (`engine.models.registry`): a Hugging Face
             ``model_type`` or a GGUF ``general.architecture``.
+        rope_scaling: None for plain rotary embeddings (``rope_type`` "default").
+        qkv_bias: Q, K and V projections add a bias (Qwen2; Llama's ``attention_bias``).
+        o_bias: the output projection adds a bias (Llama's ``attention_bias``).
+        qk_norm: per-head RMSNorm of Q and K before the rotary embedding (Qwen3).
     """
 
     name: str
@@ -70,6 +113,10 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     architecture: str = "llama"
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",

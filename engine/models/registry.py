@@ -14,6 +14,8 @@ from engine.models.llama import LlamaModel
 ARCHITECTURES: dict[str, type] = {
     "llama": LlamaModel,
     "mistral": LlamaModel,   # a Llama network; a sliding window shorter than the context is refused
+    "qwen2": LlamaModel,     # Q/K/V biases
+    "qwen3": LlamaModel,     # per-head Q/K RMSNorm
 }
 
 
