@@ -98,6 +98,11 @@ class ModelConfig:
         qkv_bias: Q, K and V projections add a bias (Qwen2; Llama's ``attention_bias``).
         o_bias: the output projection adds a bias (Llama's ``attention_bias``).
         qk_norm: per-head RMSNorm of Q and K before the rotary embedding (Qwen3).
+        num_experts: routed experts per MoE layer (0: a dense model; `engine.models.moe`).
+        num_experts_per_tok: experts each token goes through (top-k).
+        moe_intermediate_size: each expert's SwiGLU inner width.
+        norm_topk_prob: the top-k routing weights are renormalized to sum to 1.
+        moe_layers: indices of the layers whose MLP is the routed experts (the others dense).
     """
 
     name: str
@@ -117,12 +122,20 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                       "num_heads", "num_kv_heads", "head_dim", "max_position"):
             if getattr(self, field) < 1:
                 raise ModelLoadError(f"model config: {field} must be >= 1, got {getattr(self, field)}")
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"model config: num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                 f"1..num_experts={self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"model config: num_heads={self.num_heads} is not a multiple of "

@@ -24,6 +24,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.modelfile import gguf_field, gguf_reader
 from engine.models.hf_config import model_config_from_hf
+from engine.models.moe import ExpertWeights
 from engine.quant import NATIVE_TYPES, Int4Weight
 
 Projection = torch.Tensor | Int4Weight
@@ -35,18 +36,20 @@ class LayerWeights:
     """One decoder block. Shapes: see module docstring; norms are ``[hidden]``. A projection is a
     dense tensor, or an `Int4Weight` of the same logical shape when loaded natively. Present only
     when the config asks for them: ``bqkv`` ``[(num_heads + 2 * num_kv_heads) * head_dim]``, ``bo``
-    ``[hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]``."""
+    ``[hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]``; in a layer of `ModelConfig.moe_layers`,
+    ``experts`` (`engine.models.moe.ExpertWeights`) and no ``w_gate_up`` / ``w_down`` (None)."""
 
     attn_norm: torch.Tensor
     wqkv: Projection
     wo: Projection
     ffn_norm: torch.Tensor
-    w_gate_up: Projection
-    w_down: Projection
+    w_gate_up: Projection | None
+    w_down: Projection | None
     bqkv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    experts: ExpertWeights | None = None
 
 
 @dataclass
@@ -197,14 +200,36 @@ def _projection(parts: list, dtype: torch.dtype) -> Projection:
 
 
 def _fuse_layer(cfg: ModelConfig, dtype: torch.dtype, **w) -> LayerWeights:
+    """A layer's weights, Q/K/V and gate/up fused; without ``gate`` (an MoE layer) no dense MLP."""
+    dense = "gate" in w
     return LayerWeights(
         attn_norm=_tensor(w["attn_norm"], dtype),
         wqkv=_projection([w["q"], w["k"], w["v"]], dtype),
         wo=_projection([w["o"]], dtype),
         ffn_norm=_tensor(w["ffn_norm"], dtype),
-        w_gate_up=_projection([w["gate"], w["up"]], dtype),
-        w_down=_projection([w["down"]], dtype),
+        w_gate_up=_projection([w["gate"], w["up"]], dtype) if dense else None,
+        w_down=_projection([w["down"]], dtype) if dense else None,
     )
+
+
+def _hf_experts(cfg: ModelConfig, take, prefix: str, dtype: torch.dtype) -> ExpertWeights:
+    """A Hugging Face MoE layer's router and experts: Mixtral's ``block_sparse_moe`` (``w1`` gate,
+    ``w3`` up, ``w2`` down) or Qwen3-MoE's ``mlp`` (``gate_proj``, ``up_proj``, ``down_proj``)."""
+    if cfg.architecture == "mixtral":
+        block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    gate_up, down = [], []
+    for e in range(cfg.num_experts):
+        g, u, d = (take(f"{block}experts.{e}.{n}.weight") for n in names)
+        gate_up.append(_tensor(np.concatenate([g, u]), dtype))
+        down.append(_tensor(d, dtype))
+    router = _tensor(take(block + "gate.weight"), dtype)
+    want = (cfg.num_experts, cfg.hidden_size)
+    if tuple(router.shape) != want or tuple(gate_up[0].shape) != (2 * cfg.moe_intermediate_size, cfg.hidden_size):
+        raise ModelLoadError(f"{block}: router {tuple(router.shape)} / expert gate+up {tuple(gate_up[0].shape)} do "
+                             f"not fit {cfg.num_experts} experts of width {cfg.moe_intermediate_size}")
+    return ExpertWeights(router=router, gate_up=gate_up, down=down)
 
 
 def _check_shapes(cfg: ModelConfig, w: LlamaWeights, path: Path) -> None:
@@ -214,9 +239,11 @@ def _check_shapes(cfg: ModelConfig, w: LlamaWeights, path: Path) -> None:
         "lm_head": ((cfg.vocab_size, h), w.lm_head.shape),
         "wqkv": (((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), w.layers[0].wqkv.shape),
         "wo": ((h, cfg.num_heads * d), w.layers[0].wo.shape),
-        "w_gate_up": ((2 * cfg.intermediate_size, h), w.layers[0].w_gate_up.shape),
-        "w_down": ((h, cfg.intermediate_size), w.layers[0].w_down.shape),
     }
+    dense = next((layer for layer in w.layers if layer.w_gate_up is not None), None)
+    if dense is not None:
+        expected["w_gate_up"] = ((2 * cfg.intermediate_size, h), dense.w_gate_up.shape)
+        expected["w_down"] = ((h, cfg.intermediate_size), dense.w_down.shape)
     for name, (want, got) in expected.items():
         if tuple(got) != want:
             raise ModelLoadError(f"{path}: {name} has shape {tuple(got)}, expected {want}")
@@ -238,15 +265,18 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeig
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        moe = i in cfg.moe_layers
+        mlp = {} if moe else dict(gate=take(p + "mlp.gate_proj.weight"), up=take(p + "mlp.up_proj.weight"),
+                                  down=take(p + "mlp.down_proj.weight"))
         layer = _fuse_layer(
             cfg, dtype,
             attn_norm=take(p + "input_layernorm.weight"),
             q=take(p + "self_attn.q_proj.weight"), k=take(p + "self_attn.k_proj.weight"),
             v=take(p + "self_attn.v_proj.weight"), o=take(p + "self_attn.o_proj.weight"),
-            ffn_norm=take(p + "post_attention_layernorm.weight"),
-            gate=take(p + "mlp.gate_proj.weight"), up=take(p + "mlp.up_proj.weight"),
-            down=take(p + "mlp.down_proj.weight"),
+            ffn_norm=take(p + "post_attention_layernorm.weight"), **mlp,
         )
+        if moe:
+            layer.experts = _hf_experts(cfg, take, p, dtype)
         if cfg.qkv_bias:
             layer.bqkv = _tensor(np.concatenate([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]), dtype)
         if cfg.o_bias:

@@ -19,6 +19,8 @@ FAMILIES = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "qwen3_moe": (False, True),
+    "mixtral": (False, False),
 }
 """The ``model_type`` values this reader understands, and the layer features each one implies."""
 
@@ -100,6 +102,7 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
     qkv_bias, qk_norm = FAMILIES[model_type]
     attention_bias = bool(hf.get("attention_bias", False))
     theta, scaling = rope_from_hf(hf, where)
+    moe = _experts(hf, model_type, where)
     try:
         heads = int(hf["num_attention_heads"])
         return ModelConfig(
@@ -120,9 +123,35 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
             qkv_bias=qkv_bias or attention_bias,
             o_bias=attention_bias,
             qk_norm=qk_norm,
+            **moe,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None
+
+
+def _experts(hf: dict, model_type: str, where: str) -> dict:
+    """The `ModelConfig` MoE fields: Mixtral routes every layer (``num_local_experts``, weights
+    always renormalized); Qwen3-MoE (``num_experts``, or ``num_local_experts`` as transformers 5
+    writes it) every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers`` (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``)."""
+    try:
+        if model_type == "mixtral":
+            layers = tuple(range(int(hf["num_hidden_layers"])))
+            return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                        moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True, moe_layers=layers)
+        if model_type == "qwen3_moe":
+            # transformers 4 writes num_experts, 5 num_local_experts (as Mixtral always did)
+            experts = int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
+            step = int(hf.get("decoder_sparse_step", 1))
+            dense = set(hf.get("mlp_only_layers") or ())
+            layers = tuple(i for i in range(int(hf["num_hidden_layers"]))
+                           if i not in dense and experts > 0 and (i + 1) % step == 0)
+            return dict(num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
+    except KeyError as exc:
+        raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None
+    return {}
 
 
 def _check_window(hf: dict, model_type: str, where: str) -> None:

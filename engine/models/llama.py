@@ -4,8 +4,10 @@ RMSNorm, rotary embeddings with the file's theta and scaling ("rotate half" conv
 `engine.models.rope`), grouped-query attention, SwiGLU MLP, tied embeddings when the file has no
 output weight. Fused Q/K/V and gate/up projections (see `engine.weights`). The same network
 with Q/K/V biases is Qwen2's, with per-head Q/K RMSNorm before the rotation Qwen3's; the config
-says which (`ModelConfig.qkv_bias`, ``o_bias``, ``qk_norm``). References: Hugging Face
-``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``.
+says which (`ModelConfig.qkv_bias`, ``o_bias``, ``qk_norm``); with routed experts in place of
+the MLP (`engine.models.moe`, `ModelConfig.moe_layers`) it is Mixtral's and Qwen3-MoE's. References: Hugging Face
+``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_mixtral.py``,
+``modeling_qwen3_moe.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVPool
 from engine.linear import Linear, gemv_copy_pays, resolve_backend
 from engine.models.base import LayerCallback, LayerKV
+from engine.models.moe import RoutedExperts
 from engine.models.rope import rope_tables
 from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
 from engine.weights import LlamaWeights
@@ -81,6 +84,9 @@ class LlamaModel:
         self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, backend) if self.quantized
                          else Linear(weights.lm_head, backend, gemv_copies))
         self._layers = [_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies) for layer in weights.layers]
+        self._experts = [None if layer.experts is None else
+                         RoutedExperts(layer.experts, config.num_experts_per_tok, config.norm_topk_prob, backend)
+                         for layer in weights.layers]
         if self.quantized:
             self._choose_low_bit_rows(max_int4_rows, max_int8_head_rows)
         self.gemv_copies = self._keep_gemv_copies_if_faster()
@@ -118,7 +124,8 @@ class LlamaModel:
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads
-        for i, ((attn_norm, ffn_norm), lin, extra) in enumerate(zip(self._norms, self._layers, self._extras)):
+        for i, ((attn_norm, ffn_norm), lin, extra, experts) in enumerate(
+                zip(self._norms, self._layers, self._extras, self._experts)):
             x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = lin.wqkv(x)
             if extra.bqkv is not None:
@@ -142,8 +149,11 @@ class LlamaModel:
             out = lin.wo(attn)
             h = h + (out if extra.bo is None else out + extra.bo)
             x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
-            gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
-            h = h + lin.w_down(F.silu(gate) * up)
+            if experts is not None:
+                h = h + experts(x)
+            else:
+                gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
+                h = h + lin.w_down(F.silu(gate) * up)
             if on_layer_done is not None:
                 on_layer_done(i)
         h = _rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
@@ -205,8 +215,8 @@ class _LayerLinears:
 
         self.wqkv = make(layer.wqkv)
         self.wo = make(layer.wo)
-        self.w_gate_up = make(layer.w_gate_up)
-        self.w_down = make(layer.w_down)
+        self.w_gate_up = make(layer.w_gate_up) if layer.w_gate_up is not None else None
+        self.w_down = make(layer.w_down) if layer.w_down is not None else None
 
 
 def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float) -> torch.Tensor:

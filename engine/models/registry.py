@@ -16,6 +16,8 @@ ARCHITECTURES: dict[str, type] = {
     "mistral": LlamaModel,   # a Llama network; a sliding window shorter than the context is refused
     "qwen2": LlamaModel,     # Q/K/V biases
     "qwen3": LlamaModel,     # per-head Q/K RMSNorm
+    "qwen3_moe": LlamaModel,  # Qwen3 with routed experts (engine.models.moe)
+    "mixtral": LlamaModel,   # Mistral with routed experts
 }
 
 

@@ -5,7 +5,9 @@ feature the family has (biases, Q/K norms, rope scaling), random weights scaled 
 weights and biases drawn too, so attention, positions and every norm matter, and saved with the
 SmolLM2 tokenizer. The engine loads the directory like any model (`engine.loader.load_model`)
 and must give transformers' logits within 1e-4 at every position of a 330-token prompt run in two
-chunks across block boundaries, and its 32 greedy tokens. `test_a_1pct_rope_theta_change_is_caught`
+chunks across block boundaries, and its 32 greedy tokens; served by a prefill and a decode worker over tcp, the richest family
+(Qwen3-MoE: Q/K norms, experts, a head_dim that is not hidden / heads) gives the same tokens.
+`test_a_1pct_rope_theta_change_is_caught`
 shows each comparison can fail: the same checkpoint with ``rope_theta`` 1% off is far outside it.
 """
 
@@ -23,6 +25,9 @@ from engine.config import CacheConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVPool
 from engine.loader import load_model
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
+from tests.integration.worker_pair import broker, run_request, start_worker, stop, wait_ready
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
 pytestmark = pytest.mark.integration
@@ -44,6 +49,11 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": None}, {"rope_type": "default", "rope_theta": 1e6}),
     "qwen2": ("Qwen2Config", {}, {"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, {"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True, "mlp_only_layers": [0]},
+                  {"rope_type": "default", "rope_theta": 1e6}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+                {"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
@@ -195,3 +205,28 @@ def test_what_the_engine_does_not_implement_is_refused_with_the_field_named(
     bad = with_config(mistral_checkpoint, tmp_path / "bad", **changes)
     with pytest.raises(ModelLoadError, match=field):
         load_model(bad, weights="fp32")
+
+
+def test_served_disaggregated_over_tcp_equals_transformers(tmp_path, tokenizer_dir):
+    """Prefill and decode workers (`--model DIR`, tcp) give transformers' greedy tokens; every
+    block returns to both pools. One family (the KV path is the same code for all of them)."""
+    path = build_checkpoint("qwen3_moe", tmp_path / "qwen3_moe", tokenizer_dir)
+    _, want_tokens = hf_reference(path)
+    flags = ("--model", str(path), "--weights", "fp32", "--transfer-engine", "tcp")
+    dproc, daddr = start_worker("decode", *flags)
+    pproc, paddr = start_worker("prefill", *flags)
+    try:
+        decode, dch = wait_ready(daddr, pb_grpc.DecodeStub, dproc)
+        prefill, pch = wait_ready(paddr, pb_grpc.PrefillStub, pproc)
+        broker(prefill, decode)
+        from engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        assert run_request(prefill, decode, "family-0", prompt(), params) == want_tokens
+        d, p = decode.Stats(pb.StatsRequest()), prefill.Stats(pb.StatsRequest())
+        assert d.load.free_blocks == d.load.total_blocks and p.load.free_blocks == p.load.total_blocks
+        dch.close()
+        pch.close()
+    finally:
+        codes = [stop(pproc), stop(dproc)]
+    assert codes == [0, 0]
