@@ -36,6 +36,45 @@ def kv_cache_dtype(weights: str) -> str:
     return KV_CACHE_DTYPES[weights]
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rotary scalings the engine implements (Hugging Face ``rope_type`` names; formulas in
+`engine.models.rope`)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rotary-embedding scaling, as a checkpoint's ``rope_parameters`` / ``rope_scaling`` gives it
+    (names and defaults: Hugging Face ``modeling_rope_utils.py``).
+
+    Fields:
+        rope_type: one of `ROPE_TYPES` other than "default".
+        factor: context extension factor (linear: positions divided by it).
+        original_max_position: the pre-training context, tokens (llama3, yarn).
+        low_freq_factor, high_freq_factor: llama3's wavelength bounds.
+        beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate: YaRN's
+            (attention_factor None: derived from ``factor`` and the mscales).
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES or self.rope_type == "default":
+            raise ModelLoadError(f"rope_type {self.rope_type!r} is not supported; supported: "
+                                 f"{', '.join(ROPE_TYPES)}")
+        if not self.factor > 0:
+            raise ModelLoadError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder, as stored in the weights file.
@@ -55,6 +94,15 @@ class ModelConfig:
         tie_word_embeddings: the LM head reuses the token embedding.
         architecture: the family that runs it (`engine.models.registry`): a Hugging Face
             ``model_type`` or a GGUF ``general.architecture``.
+        rope_scaling: None for plain rotary embeddings (``rope_type`` "default").
+        qkv_bias: Q, K and V projections add a bias (Qwen2; Llama's ``attention_bias``).
+        o_bias: the output projection adds a bias (Llama's ``attention_bias``).
+        qk_norm: per-head RMSNorm of Q and K before the rotary embedding (Qwen3).
+        num_experts: routed experts per MoE layer (0: a dense model; `engine.models.moe`).
+        num_experts_per_tok: experts each token goes through (top-k).
+        moe_intermediate_size: each expert's SwiGLU inner width.
+        norm_topk_prob: the top-k routing weights are renormalized to sum to 1.
+        moe_layers: indices of the layers whose MLP is the routed experts (the others dense).
     """
 
     name: str
@@ -70,12 +118,24 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     architecture: str = "llama"
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                       "num_heads", "num_kv_heads", "head_dim", "max_position"):
             if getattr(self, field) < 1:
                 raise ModelLoadError(f"model config: {field} must be >= 1, got {getattr(self, field)}")
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"model config: num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                 f"1..num_experts={self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"model config: num_heads={self.num_heads} is not a multiple of "

@@ -23,6 +23,8 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.modelfile import gguf_field, gguf_reader
+from engine.models.hf_config import model_config_from_hf
+from engine.models.moe import ExpertWeights
 from engine.quant import NATIVE_TYPES, Int4Weight
 
 Projection = torch.Tensor | Int4Weight
@@ -32,14 +34,22 @@ Projection = torch.Tensor | Int4Weight
 @dataclass
 class LayerWeights:
     """One decoder block. Shapes: see module docstring; norms are ``[hidden]``. A projection is a
-    dense tensor, or an `Int4Weight` of the same logical shape when loaded natively."""
+    dense tensor, or an `Int4Weight` of the same logical shape when loaded natively. Present only
+    when the config asks for them: ``bqkv`` ``[(num_heads + 2 * num_kv_heads) * head_dim]``, ``bo``
+    ``[hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]``; in a layer of `ModelConfig.moe_layers`,
+    ``experts`` (`engine.models.moe.ExpertWeights`) and no ``w_gate_up`` / ``w_down`` (None)."""
 
     attn_norm: torch.Tensor
     wqkv: Projection
     wo: Projection
     ffn_norm: torch.Tensor
-    w_gate_up: Projection
-    w_down: Projection
+    w_gate_up: Projection | None
+    w_down: Projection | None
+    bqkv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    experts: ExpertWeights | None = None
 
 
 @dataclass
@@ -190,14 +200,36 @@ def _projection(parts: list, dtype: torch.dtype) -> Projection:
 
 
 def _fuse_layer(cfg: ModelConfig, dtype: torch.dtype, **w) -> LayerWeights:
+    """A layer's weights, Q/K/V and gate/up fused; without ``gate`` (an MoE layer) no dense MLP."""
+    dense = "gate" in w
     return LayerWeights(
         attn_norm=_tensor(w["attn_norm"], dtype),
         wqkv=_projection([w["q"], w["k"], w["v"]], dtype),
         wo=_projection([w["o"]], dtype),
         ffn_norm=_tensor(w["ffn_norm"], dtype),
-        w_gate_up=_projection([w["gate"], w["up"]], dtype),
-        w_down=_projection([w["down"]], dtype),
+        w_gate_up=_projection([w["gate"], w["up"]], dtype) if dense else None,
+        w_down=_projection([w["down"]], dtype) if dense else None,
     )
+
+
+def _hf_experts(cfg: ModelConfig, take, prefix: str, dtype: torch.dtype) -> ExpertWeights:
+    """A Hugging Face MoE layer's router and experts: Mixtral's ``block_sparse_moe`` (``w1`` gate,
+    ``w3`` up, ``w2`` down) or Qwen3-MoE's ``mlp`` (``gate_proj``, ``up_proj``, ``down_proj``)."""
+    if cfg.architecture == "mixtral":
+        block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    gate_up, down = [], []
+    for e in range(cfg.num_experts):
+        g, u, d = (take(f"{block}experts.{e}.{n}.weight") for n in names)
+        gate_up.append(_tensor(np.concatenate([g, u]), dtype))
+        down.append(_tensor(d, dtype))
+    router = _tensor(take(block + "gate.weight"), dtype)
+    want = (cfg.num_experts, cfg.hidden_size)
+    if tuple(router.shape) != want or tuple(gate_up[0].shape) != (2 * cfg.moe_intermediate_size, cfg.hidden_size):
+        raise ModelLoadError(f"{block}: router {tuple(router.shape)} / expert gate+up {tuple(gate_up[0].shape)} do "
+                             f"not fit {cfg.num_experts} experts of width {cfg.moe_intermediate_size}")
+    return ExpertWeights(router=router, gate_up=gate_up, down=down)
 
 
 def _check_shapes(cfg: ModelConfig, w: LlamaWeights, path: Path) -> None:
@@ -207,17 +239,19 @@ def _check_shapes(cfg: ModelConfig, w: LlamaWeights, path: Path) -> None:
         "lm_head": ((cfg.vocab_size, h), w.lm_head.shape),
         "wqkv": (((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), w.layers[0].wqkv.shape),
         "wo": ((h, cfg.num_heads * d), w.layers[0].wo.shape),
-        "w_gate_up": ((2 * cfg.intermediate_size, h), w.layers[0].w_gate_up.shape),
-        "w_down": ((h, cfg.intermediate_size), w.layers[0].w_down.shape),
     }
+    dense = next((layer for layer in w.layers if layer.w_gate_up is not None), None)
+    if dense is not None:
+        expected["w_gate_up"] = ((2 * cfg.intermediate_size, h), dense.w_gate_up.shape)
+        expected["w_down"] = ((h, cfg.intermediate_size), dense.w_down.shape)
     for name, (want, got) in expected.items():
         if tuple(got) != want:
             raise ModelLoadError(f"{path}: {name} has shape {tuple(got)}, expected {want}")
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeights]:
-    from safetensors.torch import load_file
-
+    """A Hugging Face directory: ``config.json`` (`engine.models.hf_config`) and its safetensors,
+    each tensor read from its memory-mapped file when it is placed (`_SafetensorsDir`)."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{path}: no config.json")
@@ -225,62 +259,100 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeig
         hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path}/config.json is not valid JSON: {exc}") from exc
-    if hf.get("model_type") not in ("llama", "mistral", None):
-        raise ModelLoadError(f"{path}: unsupported model_type {hf.get('model_type')!r}")
-    window = hf.get("sliding_window")
-    if window is not None and int(window) < int(hf.get("max_position_embeddings", 2048)):
-        raise ModelLoadError(f"{path}: sliding_window {window} (below the context) is not supported")
-    if (hf.get("rope_scaling") or {}).get("rope_type", "default") not in ("default",):
-        raise ModelLoadError(f"{path}: rope scaling {hf['rope_scaling']} is not supported")
-    heads = int(hf["num_attention_heads"])
-    cfg = ModelConfig(
-        name=path.name,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads", heads)),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        architecture=hf.get("model_type") or "llama",
-    )
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors files")
-    raw: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            raw.update(load_file(str(file)))
-        except Exception as exc:
-            raise ModelLoadError(f"{file}: malformed safetensors: {exc}") from exc
-
-    def take(name: str) -> np.ndarray:
-        if name not in raw:
-            raise ModelLoadError(f"{path}: missing tensor {name}")
-        return raw[name].float().numpy()
-
+    cfg = model_config_from_hf(hf, path.name, f"{path}/config.json")
+    files = _SafetensorsDir(path)
+    take = files.take
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        layers.append(_fuse_layer(
+        moe = i in cfg.moe_layers
+        mlp = {} if moe else dict(gate=take(p + "mlp.gate_proj.weight"), up=take(p + "mlp.up_proj.weight"),
+                                  down=take(p + "mlp.down_proj.weight"))
+        layer = _fuse_layer(
             cfg, dtype,
             attn_norm=take(p + "input_layernorm.weight"),
             q=take(p + "self_attn.q_proj.weight"), k=take(p + "self_attn.k_proj.weight"),
             v=take(p + "self_attn.v_proj.weight"), o=take(p + "self_attn.o_proj.weight"),
-            ffn_norm=take(p + "post_attention_layernorm.weight"),
-            gate=take(p + "mlp.gate_proj.weight"), up=take(p + "mlp.up_proj.weight"),
-            down=take(p + "mlp.down_proj.weight"),
-        ))
+            ffn_norm=take(p + "post_attention_layernorm.weight"), **mlp,
+        )
+        if moe:
+            layer.experts = _hf_experts(cfg, take, p, dtype)
+        if cfg.qkv_bias:
+            layer.bqkv = _tensor(np.concatenate([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]), dtype)
+        if cfg.o_bias:
+            layer.bo = _tensor(take(p + "self_attn.o_proj.bias"), dtype)
+        if cfg.qk_norm:
+            layer.q_norm = _tensor(take(p + "self_attn.q_norm.weight"), dtype)
+            layer.k_norm = _tensor(take(p + "self_attn.k_norm.weight"), dtype)
+        layers.append(layer)
     embed = _tensor(take("model.embed_tokens.weight"), dtype)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in raw:
+    if cfg.tie_word_embeddings:
         lm_head = embed
-    else:
+        if "lm_head.weight" in files and not np.array_equal(take("lm_head.weight"), take("model.embed_tokens.weight")):
+            raise ModelLoadError(f"{path}: tie_word_embeddings=True but lm_head.weight differs from the embedding")
+    elif "lm_head.weight" in files:
         lm_head = _tensor(take("lm_head.weight"), dtype)
+    else:
+        raise ModelLoadError(f"{path}: tie_word_embeddings=False but the checkpoint has no lm_head.weight")
     weights = LlamaWeights(embed=embed, layers=layers,
                            final_norm=_tensor(take("model.norm.weight"), dtype), lm_head=lm_head)
     _check_shapes(cfg, weights, path)
+    files.check_all_used()
     return cfg, weights
+
+
+class _SafetensorsDir:
+    """The tensors of a directory's safetensors files, by name, each read when asked for.
+
+    The file of each name comes from ``model.safetensors.index.json`` (``weight_map``) when it
+    exists, else from every ``*.safetensors`` file's header. Files are opened with
+    ``safetensors.safe_open`` (memory-mapped: nothing is read before a tensor is taken).
+
+    Raises:
+        ModelLoadError: no safetensors file, a malformed file or index, a missing tensor, or
+            (`check_all_used`) tensors the model does not use.
+    """
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._path, self._open = path, {}
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ModelLoadError(f"{index}: malformed index: {exc}") from exc
+            files = sorted(set(weight_map.values()))
+        else:
+            files, weight_map = [f.name for f in sorted(path.glob("*.safetensors"))], None
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors files")
+        self._where: dict[str, str] = {}
+        for name in files:
+            try:
+                handle = safe_open(str(path / name), framework="pt")
+            except Exception as exc:   # safetensors raises its own error types and OSError
+                raise ModelLoadError(f"{path / name}: malformed safetensors: {exc}") from exc
+            self._open[name] = handle
+            for key in handle.keys():
+                if weight_map is None or weight_map.get(key) == name:
+                    self._where[key] = name
+        self._used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def take(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a float32 array."""
+        if name not in self._where:
+            raise ModelLoadError(f"{self._path}: missing tensor {name}")
+        self._used.add(name)
+        return self._open[self._where[name]].get_tensor(name).float().numpy()
+
+    def check_all_used(self) -> None:
+        """Refuse a checkpoint with weights this model would ignore (a feature not understood)."""
+        left = sorted(n for n in set(self._where) - self._used if not n.endswith("rotary_emb.inv_freq"))
+        if left:
+            shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+            raise ModelLoadError(f"{self._path}: {len(left)} tensors the model does not use: {shown}")

@@ -1,8 +1,13 @@
 """Llama-family decoder in plain torch, reading and writing K/V through a paged pool.
 
-RMSNorm, rotary embeddings with the file's theta ("rotate half" convention), grouped-query
-attention, SwiGLU MLP, tied embeddings when the file has no output weight. Fused Q/K/V and
-gate/up projections (see `engine.weights`). Reference: Hugging Face ``modeling_llama.py``.
+RMSNorm, rotary embeddings with the file's theta and scaling ("rotate half" convention,
+`engine.models.rope`), grouped-query attention, SwiGLU MLP, tied embeddings when the file has no
+output weight. Fused Q/K/V and gate/up projections (see `engine.weights`). The same network
+with Q/K/V biases is Qwen2's, with per-head Q/K RMSNorm before the rotation Qwen3's; the config
+says which (`ModelConfig.qkv_bias`, ``o_bias``, ``qk_norm``); with routed experts in place of
+the MLP (`engine.models.moe`, `ModelConfig.moe_layers`) it is Mixtral's and Qwen3-MoE's. References: Hugging Face
+``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_mixtral.py``,
+``modeling_qwen3_moe.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVPool
 from engine.linear import Linear, gemv_copy_pays, resolve_backend
 from engine.models.base import LayerCallback, LayerKV
+from engine.models.moe import RoutedExperts
+from engine.models.rope import rope_tables
 from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
 from engine.weights import LlamaWeights
 
@@ -63,6 +70,7 @@ class LlamaModel:
         self._embed = weights.embed
         self._final_norm = weights.final_norm
         self._norms = [(layer.attn_norm, layer.ffn_norm) for layer in weights.layers]
+        self._extras = [_LayerExtras(layer, config) for layer in weights.layers]
         backend = resolve_backend(linear_backend, weights.embed.device)
         self.linear_backend = backend
         self.quantized = any(isinstance(p, Int4Weight) for layer in weights.layers
@@ -76,11 +84,14 @@ class LlamaModel:
         self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, backend) if self.quantized
                          else Linear(weights.lm_head, backend, gemv_copies))
         self._layers = [_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies) for layer in weights.layers]
+        self._experts = [None if layer.experts is None else
+                         RoutedExperts(layer.experts, config.num_experts_per_tok, config.norm_topk_prob, backend)
+                         for layer in weights.layers]
         if self.quantized:
             self._choose_low_bit_rows(max_int4_rows, max_int8_head_rows)
         self.gemv_copies = self._keep_gemv_copies_if_faster()
         self.device = weights.embed.device
-        self._cos, self._sin = (t.to(self.device) for t in _rope_tables(config, self.dtype))
+        self._cos, self._sin = (t.to(self.device) for t in rope_tables(config, self.dtype))
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -113,10 +124,16 @@ class LlamaModel:
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads
-        for i, ((attn_norm, ffn_norm), lin) in enumerate(zip(self._norms, self._layers)):
+        for i, ((attn_norm, ffn_norm), lin, extra, experts) in enumerate(
+                zip(self._norms, self._layers, self._extras, self._experts)):
             x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = lin.wqkv(x)
-            qk = _rotate(qkv[:, :qk_size].view(t, heads, c.head_dim), cos, sin)   # Q and K heads at once
+            if extra.bqkv is not None:
+                qkv = qkv + extra.bqkv
+            qk = qkv[:, :qk_size].view(t, heads, c.head_dim)
+            if extra.qk_norm is not None:   # Qwen3: RMSNorm per head, Q's weight and K's
+                qk = _rms_norm(qk, (c.head_dim,), None, c.rms_norm_eps) * extra.qk_norm
+            qk = _rotate(qk, cos, sin)   # Q and K heads at once
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
             if kv_cast:   # attention on the K/V as stored (paged_attention casts them to q's dtype)
@@ -129,10 +146,14 @@ class LlamaModel:
             attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size)
             if q_cast:
                 attn = attn.to(self.dtype)
-            h = h + lin.wo(attn)
+            out = lin.wo(attn)
+            h = h + (out if extra.bo is None else out + extra.bo)
             x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
-            gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
-            h = h + lin.w_down(F.silu(gate) * up)
+            if experts is not None:
+                h = h + experts(x)
+            else:
+                gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
+                h = h + lin.w_down(F.silu(gate) * up)
             if on_layer_done is not None:
                 on_layer_done(i)
         h = _rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
@@ -174,6 +195,18 @@ class LlamaModel:
                  int4_rows, head_rows, how)
 
 
+class _LayerExtras:
+    """A layer's optional parts: Q/K/V and output biases, and the Q/K norm weights stacked per
+    head (``[num_heads + num_kv_heads, head_dim]``: one multiply scales both)."""
+
+    def __init__(self, layer, config: ModelConfig):
+        self.bqkv, self.bo = layer.bqkv, layer.bo
+        self.qk_norm = None
+        if layer.q_norm is not None:
+            self.qk_norm = torch.cat([layer.q_norm.expand(config.num_heads, -1),
+                                      layer.k_norm.expand(config.num_kv_heads, -1)])
+
+
 class _LayerLinears:
     def __init__(self, layer, backend: str, max_int4_rows: int, gemv_copies: bool):
         def make(w):
@@ -182,11 +215,11 @@ class _LayerLinears:
 
         self.wqkv = make(layer.wqkv)
         self.wo = make(layer.wo)
-        self.w_gate_up = make(layer.w_gate_up)
-        self.w_down = make(layer.w_down)
+        self.w_gate_up = make(layer.w_gate_up) if layer.w_gate_up is not None else None
+        self.w_down = make(layer.w_down) if layer.w_down is not None else None
 
 
-def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim. Float32 input: ``F.rms_norm``. Lower precision (bfloat16):
     normalized in float32, cast back, then scaled by the weight, as Hugging Face's
     ``LlamaRMSNorm`` does; ``F.rms_norm`` on bfloat16 loses enough that SmolLM2-135M's greedy
@@ -195,19 +228,7 @@ def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor, eps
         return F.rms_norm(x, shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rope_tables(c: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, signed_sin)``, each ``[max_position, head_dim]`` in ``dtype``: Hugging Face's
-    ``cos`` and ``sin`` tables, the first half of ``sin`` negated (see `_rotate`)."""
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-    freqs = torch.outer(torch.arange(c.max_position, dtype=torch.float32), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    half = c.head_dim // 2
-    sin = emb.sin()
-    sin[:, :half].neg_()
-    return emb.cos().to(dtype), sin.to(dtype)
+    return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@ from engine.models.llama import LlamaModel
 ARCHITECTURES: dict[str, type] = {
     "llama": LlamaModel,
     "mistral": LlamaModel,   # a Llama network; a sliding window shorter than the context is refused
+    "qwen2": LlamaModel,     # Q/K/V biases
+    "qwen3": LlamaModel,     # per-head Q/K RMSNorm
+    "qwen3_moe": LlamaModel,  # Qwen3 with routed experts (engine.models.moe)
+    "mixtral": LlamaModel,   # Mistral with routed experts
 }
 
 

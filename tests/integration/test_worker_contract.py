@@ -21,8 +21,8 @@ from engine.loader import build_generator
 from engine.sampling import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
-from tests.integration.test_workers import run_request as disaggregated
-from tests.integration.test_workers import start_worker, stop, wait_ready
+from tests.integration.worker_pair import run_request as disaggregated
+from tests.integration.worker_pair import start_worker, stop, wait_ready
 from worker.convert import sampling_to_proto
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

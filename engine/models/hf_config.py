@@ -1,0 +1,166 @@
+"""A Hugging Face ``config.json`` read into a `ModelConfig`, or refused with the field named.
+
+Both spellings transformers has written are read: transformers 4 puts ``rope_theta`` and
+``rope_scaling`` at the top level; transformers 5 puts both inside ``rope_parameters``
+(``rope_type`` or the older ``type`` key; ``original_max_position_embeddings`` at the top level,
+as Phi-3 has it, wins). Anything the engine does not implement is a `ModelLoadError` naming the
+field and its value: a rope type, a sliding window in use, an activation, a bias, a
+``quantization_config``. Nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig, RopeScaling
+from engine.errors import ModelLoadError
+
+FAMILIES = {
+    # model_type: (qkv bias, q/k norm) that the family always has
+    "llama": (False, False),
+    "mistral": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+    "qwen3_moe": (False, True),
+    "mixtral": (False, False),
+}
+"""The ``model_type`` values this reader understands, and the layer features each one implies."""
+
+_ROPE_KEYS = {
+    "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+    "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate",
+}
+
+
+def _refuse(where: str, field: str, value, why: str = "is not supported") -> ModelLoadError:
+    return ModelLoadError(f"{where}: {field}={value!r} {why}")
+
+
+def rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, scaling)`` from either spelling (module docstring).
+
+    Raises:
+        ModelLoadError: an unknown rope type or parameter, per-layer-type rope parameters, or a
+            ``partial_rotary_factor`` below 1.
+    """
+    params = hf.get("rope_parameters")
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+    elif not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise _refuse(where, "rope_parameters", params, "(per layer type) is not supported")
+    else:
+        params = dict(params)
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _refuse(where, "partial_rotary_factor", partial)
+    params.pop("partial_rotary_factor", None)
+    unknown = set(params) - _ROPE_KEYS
+    if unknown:
+        raise _refuse(where, "rope_parameters", {k: params[k] for k in sorted(unknown)},
+                      "has parameters the engine does not implement")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    original = hf.get("original_max_position_embeddings",
+                      params.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    try:
+        scaling = RopeScaling(
+            rope_type=rope_type, factor=float(params.get("factor", 1.0)),
+            original_max_position=int(original) if original is not None else None,
+            low_freq_factor=params.get("low_freq_factor"), high_freq_factor=params.get("high_freq_factor"),
+            beta_fast=params.get("beta_fast"), beta_slow=params.get("beta_slow"),
+            attention_factor=params.get("attention_factor"), mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"), truncate=bool(params.get("truncate", True)))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{where}: rope_type={rope_type!r}: {exc}") from None
+    if rope_type == "llama3" and (scaling.low_freq_factor is None or scaling.high_freq_factor is None):
+        raise _refuse(where, "rope_parameters", params, "(llama3) lacks low_freq_factor / high_freq_factor")
+    return float(theta), scaling
+
+
+def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
+    """The `ModelConfig` of a ``config.json`` dict.
+
+    Args:
+        name: the model's display name (the directory's).
+        where: what to name in errors (the file).
+    Raises:
+        ModelLoadError: an unknown ``model_type``, a missing field, or a feature the engine does not
+            implement (the message names the field and its value).
+    """
+    model_type = hf.get("model_type") or "llama"
+    if model_type not in FAMILIES:
+        raise _refuse(where, "model_type", model_type, f"is not supported; supported: {', '.join(FAMILIES)}")
+    if hf.get("quantization_config"):
+        raise _refuse(where, "quantization_config", hf["quantization_config"].get("quant_method", "?"),
+                      "(a pre-quantized checkpoint) is not supported")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise _refuse(where, "hidden_act", act)
+    if hf.get("mlp_bias"):
+        raise _refuse(where, "mlp_bias", hf["mlp_bias"])
+    _check_window(hf, model_type, where)
+    qkv_bias, qk_norm = FAMILIES[model_type]
+    attention_bias = bool(hf.get("attention_bias", False))
+    theta, scaling = rope_from_hf(hf, where)
+    moe = _experts(hf, model_type, where)
+    try:
+        heads = int(hf["num_attention_heads"])
+        return ModelConfig(
+            name=name,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rope_theta=theta,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            architecture=model_type,
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            qk_norm=qk_norm,
+            **moe,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None
+
+
+def _experts(hf: dict, model_type: str, where: str) -> dict:
+    """The `ModelConfig` MoE fields: Mixtral routes every layer (``num_local_experts``, weights
+    always renormalized); Qwen3-MoE (``num_experts``, or ``num_local_experts`` as transformers 5
+    writes it) every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers`` (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``)."""
+    try:
+        if model_type == "mixtral":
+            layers = tuple(range(int(hf["num_hidden_layers"])))
+            return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                        moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True, moe_layers=layers)
+        if model_type == "qwen3_moe":
+            # transformers 4 writes num_experts, 5 num_local_experts (as Mixtral always did)
+            experts = int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
+            step = int(hf.get("decoder_sparse_step", 1))
+            dense = set(hf.get("mlp_only_layers") or ())
+            layers = tuple(i for i in range(int(hf["num_hidden_layers"]))
+                           if i not in dense and experts > 0 and (i + 1) % step == 0)
+            return dict(num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
+    except KeyError as exc:
+        raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None
+    return {}
+
+
+def _check_window(hf: dict, model_type: str, where: str) -> None:
+    """Refuse a sliding window that is in use (shorter than the context)."""
+    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
+    if kinds:
+        raise _refuse(where, "layer_types", sorted(kinds), "(attention other than full) is not supported")
+    window = hf.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        return   # Qwen keeps a window size in its config, used only with use_sliding_window
+    if window is not None and int(window) < int(hf.get("max_position_embeddings", 2048)):
+        raise _refuse(where, "sliding_window", window, "(shorter than the context) is not supported")

@@ -1,0 +1,78 @@
+"""A routed-experts MLP block (Mixtral, Qwen3-MoE): each token goes through its top-k experts.
+
+Routing (Hugging Face ``modeling_mixtral.py`` / ``modeling_qwen3_moe.py``, ``*TopKRouter``): router
+logits ``x @ router.T``, softmax over all experts in float32, the ``top_k`` largest kept, divided
+by their sum when ``norm_topk_prob`` (always for Mixtral), then cast to the activations' dtype.
+Each expert is a SwiGLU MLP; a token's output is the routing-weighted sum of its experts'
+outputs. Experts run one at a time over the rows routed to them (no padding, no capacity limit:
+no token is dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.linear import Linear
+
+
+@dataclass
+class ExpertWeights:
+    """One layer's experts.
+
+    Attributes:
+        router: ``[num_experts, hidden]``.
+        gate_up: per expert ``[2 * moe_intermediate, hidden]`` (gate rows, then up rows).
+        down: per expert ``[hidden, moe_intermediate]``.
+    """
+
+    router: torch.Tensor
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+
+
+class RoutedExperts:
+    """``y = sum_k weight_k * expert_k(x)`` over each token's top-k experts.
+
+    Args:
+        weights: the layer's `ExpertWeights`.
+        top_k: experts per token (``num_experts_per_tok``).
+        norm_topk_prob: renormalize the kept probabilities to sum to 1.
+        backend: `engine.linear` backend for the experts' projections.
+    Call with ``x``: ``[tokens, hidden]``; returns ``[tokens, hidden]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, weights: ExpertWeights, top_k: int, norm_topk_prob: bool, backend: str):
+        self.router = weights.router
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate_up = [Linear(w, backend) for w in weights.gate_up]
+        self.down = [Linear(w, backend) for w in weights.down]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, experts)``, each ``[tokens, top_k]``: routing weights in ``x``'s dtype and
+        expert indices (int64)."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), experts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        order = torch.argsort(experts.flatten(), stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=len(self.gate_up)).tolist()
+        rows = order // self.top_k   # token of each (token, k) pair, grouped by expert
+        scales = weights.flatten()[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens = rows[start:start + n]
+            gate, up = self.gate_up[e](x.index_select(0, tokens)).chunk(2, dim=-1)
+            y = self.down[e](F.silu(gate) * up) * scales[start:start + n, None]
+            out.index_add_(0, tokens, y)
+            start += n
+        return out
