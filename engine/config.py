@@ -95,6 +95,8 @@ class ModelConfig:
         architecture: the family that runs it (`engine.models.registry`): a Hugging Face
             ``model_type`` or a GGUF ``general.architecture``.
         rope_scaling: None for plain rotary embeddings (``rope_type`` "default").
+        rotary_dim: how many of each head's first dimensions rotate (Phi-3's
+            ``partial_rotary_factor``; the rest pass through); 0: all ``head_dim``.
         qkv_bias: Q, K and V projections add a bias (Qwen2; Llama's ``attention_bias``).
         o_bias: the output projection adds a bias (Llama's ``attention_bias``).
         qk_norm: per-head RMSNorm of Q and K before the rotary embedding (Qwen3).
@@ -119,6 +121,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     architecture: str = "llama"
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int = 0
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
@@ -133,6 +136,9 @@ class ModelConfig:
                       "num_heads", "num_kv_heads", "head_dim", "max_position"):
             if getattr(self, field) < 1:
                 raise ModelLoadError(f"model config: {field} must be >= 1, got {getattr(self, field)}")
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise ModelLoadError(f"model config: rotary_dim={self.rotary_dim} must be even and within "
+                                 f"head_dim={self.head_dim}")
         if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelLoadError(f"model config: num_experts_per_tok={self.num_experts_per_tok} must be in "
                                  f"1..num_experts={self.num_experts}")

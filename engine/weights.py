@@ -212,6 +212,27 @@ def _fuse_layer(cfg: ModelConfig, dtype: torch.dtype, **w) -> LayerWeights:
     )
 
 
+def _hf_qkv(cfg: ModelConfig, take, prefix: str) -> dict:
+    """A layer's Q, K and V weights; Phi-3 stores them stacked in one ``qkv_proj``."""
+    a = prefix + "self_attn."
+    if cfg.architecture != "phi3":
+        return {x: take(f"{a}{x}_proj.weight") for x in "qkv"}
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, k, v = np.split(take(a + "qkv_proj.weight"), [q_rows, q_rows + kv_rows])
+    if v.shape[0] != kv_rows:
+        raise ModelLoadError(f"{a}qkv_proj.weight: {q_rows + 2 * kv_rows} rows expected")
+    return {"q": q, "k": k, "v": v}
+
+
+def _hf_mlp(cfg: ModelConfig, take, prefix: str) -> dict:
+    """A dense layer's gate, up and down weights; Phi-3 stacks gate and up in ``gate_up_proj``."""
+    m = prefix + "mlp."
+    if cfg.architecture != "phi3":
+        return {x: take(f"{m}{x}_proj.weight") for x in ("gate", "up", "down")}
+    gate, up = np.split(take(m + "gate_up_proj.weight"), 2)
+    return {"gate": gate, "up": up, "down": take(m + "down_proj.weight")}
+
+
 def _hf_experts(cfg: ModelConfig, take, prefix: str, dtype: torch.dtype) -> ExpertWeights:
     """A Hugging Face MoE layer's router and experts: Mixtral's ``block_sparse_moe`` (``w1`` gate,
     ``w3`` up, ``w2`` down) or Qwen3-MoE's ``mlp`` (``gate_proj``, ``up_proj``, ``down_proj``)."""
@@ -266,14 +287,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeig
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         moe = i in cfg.moe_layers
-        mlp = {} if moe else dict(gate=take(p + "mlp.gate_proj.weight"), up=take(p + "mlp.up_proj.weight"),
-                                  down=take(p + "mlp.down_proj.weight"))
+        mlp = {} if moe else _hf_mlp(cfg, take, p)
         layer = _fuse_layer(
-            cfg, dtype,
-            attn_norm=take(p + "input_layernorm.weight"),
-            q=take(p + "self_attn.q_proj.weight"), k=take(p + "self_attn.k_proj.weight"),
-            v=take(p + "self_attn.v_proj.weight"), o=take(p + "self_attn.o_proj.weight"),
-            ffn_norm=take(p + "post_attention_layernorm.weight"), **mlp,
+            cfg, dtype, attn_norm=take(p + "input_layernorm.weight"), **_hf_qkv(cfg, take, p),
+            o=take(p + "self_attn.o_proj.weight"), ffn_norm=take(p + "post_attention_layernorm.weight"), **mlp,
         )
         if moe:
             layer.experts = _hf_experts(cfg, take, p, dtype)

@@ -10,7 +10,7 @@ field and its value: a rope type, a sliding window in use, an activation, a bias
 
 from __future__ import annotations
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import ROPE_TYPES, ModelConfig, RopeScaling
 from engine.errors import ModelLoadError
 
 FAMILIES = {
@@ -21,8 +21,12 @@ FAMILIES = {
     "qwen3": (False, True),
     "qwen3_moe": (False, True),
     "mixtral": (False, False),
+    "phi3": (False, False),
 }
 """The ``model_type`` values this reader understands, and the layer features each one implies."""
+
+PARTIAL_ROTARY = {"phi3"}
+"""Families whose attention rotates only the first ``partial_rotary_factor`` of each head."""
 
 _ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -34,12 +38,11 @@ def _refuse(where: str, field: str, value, why: str = "is not supported") -> Mod
     return ModelLoadError(f"{where}: {field}={value!r} {why}")
 
 
-def rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, scaling)`` from either spelling (module docstring).
+def rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None, float]:
+    """``(rope_theta, scaling, partial_rotary_factor)`` from either spelling (module docstring).
 
     Raises:
-        ModelLoadError: an unknown rope type or parameter, per-layer-type rope parameters, or a
-            ``partial_rotary_factor`` below 1.
+        ModelLoadError: an unknown rope type or parameter, or per-layer-type rope parameters.
     """
     params = hf.get("rope_parameters")
     if params is None:
@@ -49,17 +52,16 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     else:
         params = dict(params)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise _refuse(where, "partial_rotary_factor", partial)
-    params.pop("partial_rotary_factor", None)
+    partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise _refuse(where, "rope_type", rope_type, f"is not supported; supported: {', '.join(ROPE_TYPES)}")
     unknown = set(params) - _ROPE_KEYS
     if unknown:
         raise _refuse(where, "rope_parameters", {k: params[k] for k in sorted(unknown)},
                       "has parameters the engine does not implement")
-    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), None, partial
     original = hf.get("original_max_position_embeddings",
                       params.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
     try:
@@ -74,7 +76,7 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(f"{where}: rope_type={rope_type!r}: {exc}") from None
     if rope_type == "llama3" and (scaling.low_freq_factor is None or scaling.high_freq_factor is None):
         raise _refuse(where, "rope_parameters", params, "(llama3) lacks low_freq_factor / high_freq_factor")
-    return float(theta), scaling
+    return float(theta), scaling, partial
 
 
 def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
@@ -101,10 +103,13 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
     _check_window(hf, model_type, where)
     qkv_bias, qk_norm = FAMILIES[model_type]
     attention_bias = bool(hf.get("attention_bias", False))
-    theta, scaling = rope_from_hf(hf, where)
+    theta, scaling, partial = rope_from_hf(hf, where)
+    if partial != 1.0 and model_type not in PARTIAL_ROTARY:
+        raise _refuse(where, "partial_rotary_factor", partial, f"is not supported for {model_type}")
     moe = _experts(hf, model_type, where)
     try:
         heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
         return ModelConfig(
             name=name,
             vocab_size=int(hf["vocab_size"]),
@@ -113,13 +118,14 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            head_dim=head_dim,
             rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             architecture=model_type,
             rope_scaling=scaling,
+            rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
             qkv_bias=qkv_bias or attention_bias,
             o_bias=attention_bias,
             qk_norm=qk_norm,

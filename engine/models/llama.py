@@ -235,5 +235,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     """Rotary embedding, "rotate half" convention: Hugging Face's
     ``x * cos + cat(-x2, x1) * sin`` computed as ``x * cos + cat(x2, x1) * signed_sin`` (one
     ``roll`` instead of two slices, a negation and a cat; bit-identical, since negating a factor
-    of a product is exact). ``x``: ``[tokens, heads, head_dim]``; tables ``[tokens, 1, head_dim]``."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    of a product is exact). ``x``: ``[tokens, heads, head_dim]``; tables ``[tokens, 1, rotary_dim]``:
+    with ``rotary_dim < head_dim`` (partial rotary, Phi-3) the first ``rotary_dim`` dimensions
+    rotate and the rest pass through."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :dim], cos, signed_sin), x[..., dim:]], dim=-1)
+    return x * cos + x.roll(dim // 2, -1) * signed_sin

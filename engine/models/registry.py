@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, type] = {
     "qwen3": LlamaModel,     # per-head Q/K RMSNorm
     "qwen3_moe": LlamaModel,  # Qwen3 with routed experts (engine.models.moe)
     "mixtral": LlamaModel,   # Mistral with routed experts
+    "phi3": LlamaModel,      # fused qkv / gate_up tensors in the checkpoint, partial rotary
 }
 
 

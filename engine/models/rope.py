@@ -77,12 +77,14 @@ def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
 
 
 def rope_tables(config: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, signed_sin)``, each ``[max_position, head_dim]`` in ``dtype``: Hugging Face's ``cos``
-    and ``sin`` (angles in float32, times the attention factor), the first half of ``sin``
-    negated so that rotation is one ``roll`` (see `engine.models.llama._rotate`)."""
-    inv_freq, attention = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    """``(cos, signed_sin)``, each ``[max_position, rotary_dim]`` in ``dtype`` (``rotary_dim``:
+    `ModelConfig.rotary_dim`, or ``head_dim`` when 0): Hugging Face's ``cos`` and ``sin`` (angles
+    in float32, times the attention factor), the first half of ``sin`` negated so that rotation is
+    one ``roll`` (see `engine.models.llama._rotate`)."""
+    dim = config.rotary_dim or config.head_dim
+    inv_freq, attention = inv_frequencies(dim, config.rope_theta, config.rope_scaling)
     freqs = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos() * attention, emb.sin() * attention
-    sin[:, : config.head_dim // 2].neg_()
+    sin[:, : dim // 2].neg_()
     return cos.to(dtype), sin.to(dtype)

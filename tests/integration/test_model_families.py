@@ -52,6 +52,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "norm_topk_prob": True, "mlp_only_layers": [0]},
                   {"rope_type": "default", "rope_theta": 1e6}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None},
+             {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
                 {"rope_type": "default", "rope_theta": 1e6}),
 }
@@ -94,12 +96,14 @@ def build_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
 
 
 def as_transformers4(src: Path, out: Path) -> Path:
-    """The same checkpoint with its config in transformers 4's spelling: ``rope_theta`` and
-    ``rope_scaling`` (``type`` key) at the top level."""
+    """The same checkpoint with its config in transformers 4's spelling: ``rope_theta``,
+    ``partial_rotary_factor`` and ``rope_scaling`` (``type`` key) at the top level."""
     shutil.copytree(src, out)
     cfg = json.loads((out / "config.json").read_text())
     rope = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     kind = rope.pop("rope_type")
     cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
     (out / "config.json").write_text(json.dumps(cfg))
@@ -194,6 +198,9 @@ def test_a_1pct_rope_theta_change_is_caught(family, tmp_path):
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                          "long_factor": [2.0] * 8}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "beta": 3}}, "rope_parameters"),
     ({"model_type": "gpt2"}, "model_type"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
     ({"hidden_act": "gelu"}, "hidden_act"),
