@@ -147,7 +147,10 @@ def _experts(hf: dict, model_type: str, where: str) -> dict:
                         moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True, moe_layers=layers)
         if model_type == "qwen3_moe":
             # transformers 4 writes num_experts, 5 num_local_experts (as Mixtral always did)
-            experts = int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
+            experts = hf.get("num_experts", hf.get("num_local_experts"))
+            if experts is None:
+                raise KeyError("num_experts")
+            experts = int(experts)
             step = int(hf.get("decoder_sparse_step", 1))
             dense = set(hf.get("mlp_only_layers") or ())
             layers = tuple(i for i in range(int(hf["num_hidden_layers"]))

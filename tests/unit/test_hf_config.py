@@ -1,0 +1,80 @@
+"""`engine.models.hf_config`: a ``config.json`` read into a `ModelConfig`, both spellings alike,
+what the engine lacks refused by name (the numerics are checked against transformers in
+tests/integration/test_model_families.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import RopeScaling
+from engine.errors import ModelLoadError
+from engine.models.hf_config import model_config_from_hf
+
+pytestmark = pytest.mark.unit
+
+BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 1024}
+
+
+def read(**fields):
+    return model_config_from_hf({**BASE, **fields}, "m", "config.json")
+
+
+def test_transformers_4_and_5_spellings_give_one_config():
+    old = read(model_type="llama", rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **LLAMA3})
+    older = read(model_type="llama", rope_theta=500000.0, rope_scaling={"type": "llama3", **LLAMA3})
+    new = read(model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3})
+    assert old == older == new
+    assert new.rope_theta == 500000.0
+    assert new.rope_scaling == RopeScaling("llama3", 8.0, 1024, 1.0, 4.0)
+
+
+def test_defaults_and_family_features():
+    plain = read(model_type="llama")
+    assert (plain.rope_theta, plain.rope_scaling, plain.qkv_bias, plain.qk_norm) == (10000.0, None, False, False)
+    assert read(model_type="qwen2").qkv_bias and not read(model_type="qwen2").o_bias
+    assert read(model_type="llama", attention_bias=True).o_bias
+    q3 = read(model_type="qwen3", head_dim=32)
+    assert q3.qk_norm and q3.head_dim == 32
+    phi = read(model_type="phi3", partial_rotary_factor=0.75)
+    assert phi.rotary_dim == 12   # int(16 * 0.75)
+
+
+def test_moe_layers_follow_sparse_step_and_dense_layers():
+    moe = read(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               decoder_sparse_step=2, mlp_only_layers=[3])
+    assert moe.moe_layers == (1,) and moe.num_experts == 8 and not moe.norm_topk_prob
+    v5 = read(model_type="qwen3_moe", num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert v5.moe_layers == (0, 1, 2, 3) and v5.num_experts == 8
+    mix = read(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    assert mix.moe_layers == (0, 1, 2, 3) and mix.norm_topk_prob and mix.moe_intermediate_size == 96
+
+
+def test_qwen_window_counts_only_when_used():
+    assert read(model_type="qwen2", sliding_window=1024, use_sliding_window=False).architecture == "qwen2"
+    with pytest.raises(ModelLoadError, match="sliding_window=1024"):
+        read(model_type="qwen2", sliding_window=1024, use_sliding_window=True)
+    assert read(model_type="mistral", sliding_window=4096).architecture == "mistral"   # = the context
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"model_type": "gemma2"}, "model_type='gemma2'"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"model_type": "llama", "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
+    ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok=3"),
+    ({"model_type": "qwen3_moe", "num_experts_per_tok": 2, "moe_intermediate_size": 8}, "'num_experts'"),
+])
+def test_what_is_not_implemented_or_missing_is_named(fields, named):
+    with pytest.raises(ModelLoadError, match=named):
+        read(**fields)
+
+
+def test_a_missing_required_field_is_named():
+    hf = {k: v for k, v in BASE.items() if k != "intermediate_size"}
+    with pytest.raises(ModelLoadError, match="'intermediate_size'"):
+        model_config_from_hf({**hf, "model_type": "llama"}, "m", "config.json")
