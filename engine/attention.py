@@ -230,7 +230,7 @@ class DecodeGroup:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
-                    block_size: int) -> torch.Tensor:
+                    block_size: int, window: int | None = None) -> torch.Tensor:
     """Attention of the new tokens, after their K/V have been written into the pool.
 
     Args:
@@ -239,28 +239,39 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_pool, v_pool: one layer's pool, ``[num_blocks * block_size, num_kv_heads, head_dim]``.
             K/V of another dtype than ``q``'s (a bfloat16 pool, float32 attention) are cast to it
             after the gather.
+        window: sliding-window attention: the query at position ``p`` attends to positions
+            ``p - window + 1 .. p`` only (Hugging Face's ``kv_idx > q_idx - sliding_window``);
+            None: to every earlier position.
     Returns:
         ``[T, num_heads * head_dim]`` in ``q``'s dtype.
     """
     if batch.is_decode:
-        return _decode_attention(q, k_pool, v_pool, batch, block_size)
+        return _decode_attention(q, k_pool, v_pool, batch, block_size, window)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if batch.decode_rows is not None:
         out[batch.decode_rows] = _decode_attention(q.index_select(0, batch.decode_rows), k_pool, v_pool,
-                                                   batch, block_size)
+                                                   batch, block_size, window)
     for first, n, ctx, blocks in batch.seq_ranges:
         if n == 1 and batch.decode_rows is not None:
             continue   # done above
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
-        if ctx == n:
+        windowed = window is not None and ctx > window
+        if ctx == n and not windowed:
             ks = k[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
             vs = v[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = _gather(k_pool, blocks, block_size, ctx).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            vs = _gather(v_pool, blocks, block_size, ctx).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            if ctx == n:
+                ks, vs = k[first:first + n], v[first:first + n]
+            else:
+                ks, vs = _gather(k_pool, blocks, block_size, ctx), _gather(v_pool, blocks, block_size, ctx)
+            ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
             rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+            cols = torch.arange(ctx, device=q.device)[None, :]
+            mask = cols <= rows
+            if windowed:
+                mask &= cols > rows - window
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
         out[first:first + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
     return out
@@ -271,9 +282,10 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: i
     return per_block.index_select(0, blocks).flatten(0, 1)[:length]
 
 
-def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int) -> torch.Tensor:
+def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
+                      window: int | None = None) -> torch.Tensor:
     """One query per sequence, over its gathered K/V (``q``: ``[D, num_heads, head_dim]``;
-    returns ``[D, num_heads * head_dim]``).
+    returns ``[D, num_heads * head_dim]``); with ``window``, over its last ``window`` positions.
 
     The G = num_heads / num_kv_heads query heads sharing a KV head (grouped-query attention; Hugging
     Face's ``repeat_kv`` maps query head ``h`` to KV head ``h // G``) attend as G query rows of
@@ -296,6 +308,12 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int) -
             return out.copy_(per_block.view(n, -1, kv_heads, dim)[:, :g.span].transpose(1, 2))
 
         bias = g.bias if g.bias is None or g.bias.dtype == q.dtype else g.bias.to(q.dtype)
+        if window is not None and g.span > window:
+            lens = torch.tensor(batch.decode_lens[g.lo:g.hi], device=q.device)
+            before = torch.arange(g.span, device=q.device)[None, :] < (lens - window)[:, None]
+            hide = torch.zeros(n, 1, 1, g.span, dtype=q.dtype, device=q.device).masked_fill_(
+                before.view(n, 1, 1, g.span), float("-inf"))
+            bias = hide if bias is None else bias + hide
         o = F.scaled_dot_product_attention(q[g.lo:g.hi], gather(k_pool), gather(v_pool), attn_mask=bias)
         outs.append(o.reshape(n, -1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -95,6 +95,8 @@ class ModelConfig:
         architecture: the family that runs it (`engine.models.registry`): a Hugging Face
             ``model_type`` or a GGUF ``general.architecture``.
         rope_scaling: None for plain rotary embeddings (``rope_type`` "default").
+        sliding_window: every layer attends to the last this many positions only (Mistral,
+            Mixtral); None: to the whole context.
         rotary_dim: how many of each head's first dimensions rotate (Phi-3's
             ``partial_rotary_factor``; the rest pass through); 0: all ``head_dim``.
         qkv_bias: Q, K and V projections add a bias (Qwen2; Llama's ``attention_bias``).
@@ -122,6 +124,7 @@ class ModelConfig:
     architecture: str = "llama"
     rope_scaling: RopeScaling | None = None
     rotary_dim: int = 0
+    sliding_window: int | None = None
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
@@ -136,6 +139,8 @@ class ModelConfig:
                       "num_heads", "num_kv_heads", "head_dim", "max_position"):
             if getattr(self, field) < 1:
                 raise ModelLoadError(f"model config: {field} must be >= 1, got {getattr(self, field)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"model config: sliding_window must be >= 1, got {self.sliding_window}")
         if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             raise ModelLoadError(f"model config: rotary_dim={self.rotary_dim} must be even and within "
                                  f"head_dim={self.head_dim}")

@@ -100,7 +100,7 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
         raise _refuse(where, "hidden_act", act)
     if hf.get("mlp_bias"):
         raise _refuse(where, "mlp_bias", hf["mlp_bias"])
-    _check_window(hf, model_type, where)
+    window = _window(hf, model_type, where)
     qkv_bias, qk_norm = FAMILIES[model_type]
     attention_bias = bool(hf.get("attention_bias", False))
     theta, scaling, partial = rope_from_hf(hf, where)
@@ -125,6 +125,7 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             architecture=model_type,
             rope_scaling=scaling,
+            sliding_window=window,
             rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
             qkv_bias=qkv_bias or attention_bias,
             o_bias=attention_bias,
@@ -163,13 +164,21 @@ def _experts(hf: dict, model_type: str, where: str) -> dict:
     return {}
 
 
-def _check_window(hf: dict, model_type: str, where: str) -> None:
-    """Refuse a sliding window that is in use (shorter than the context)."""
-    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
-    if kinds:
-        raise _refuse(where, "layer_types", sorted(kinds), "(attention other than full) is not supported")
+SLIDING_WINDOW = {"mistral", "mixtral"}
+"""Families whose every layer attends through ``sliding_window`` when the config sets one."""
+
+
+def _window(hf: dict, model_type: str, where: str) -> int | None:
+    """The sliding window in use (None: none, or one not shorter than the context); refused for
+    families that apply it per layer (Qwen's ``use_sliding_window``) and per-layer attention kinds."""
+    kinds = set(hf.get("layer_types") or ())
+    if kinds - {"full_attention"} and (model_type not in SLIDING_WINDOW or kinds != {"sliding_attention"}):
+        raise _refuse(where, "layer_types", sorted(kinds), "(a mix, or attention other than full) is not supported")
     window = hf.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-        return   # Qwen keeps a window size in its config, used only with use_sliding_window
-    if window is not None and int(window) < int(hf.get("max_position_embeddings", 2048)):
-        raise _refuse(where, "sliding_window", window, "(shorter than the context) is not supported")
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+        return None   # Qwen keeps a window size in its config, used only with use_sliding_window
+    if window is None or int(window) >= int(hf.get("max_position_embeddings", 2048)):
+        return None
+    if model_type not in SLIDING_WINDOW:
+        raise _refuse(where, "sliding_window", window, f"(shorter than the context) is not supported for {model_type}")
+    return int(window)

@@ -143,7 +143,7 @@ class LlamaModel:
             k_pool, v_pool = pool.layer_view(i)
             k_pool.index_copy_(0, batch.slot_mapping, k)
             v_pool.index_copy_(0, batch.slot_mapping, v)
-            attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size)
+            attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, c.sliding_window)
             if q_cast:
                 attn = attn.to(self.dtype)
             out = lin.wo(attn)

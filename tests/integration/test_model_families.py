@@ -47,6 +47,7 @@ FAMILIES = {
     "llama-yarn": ("LlamaConfig", {}, {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                        "original_max_position_embeddings": 128}),
     "mistral": ("MistralConfig", {"sliding_window": None}, {"rope_type": "default", "rope_theta": 1e6}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 64}, {"rope_type": "default", "rope_theta": 1e6}),
     "qwen2": ("Qwen2Config", {}, {"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, {"rope_type": "default", "rope_theta": 1e6}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -204,7 +205,7 @@ def test_a_1pct_rope_theta_change_is_caught(family, tmp_path):
     ({"model_type": "gpt2"}, "model_type"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"sliding_window": 64}, "sliding_window"),
+    ({"model_type": "llama", "sliding_window": 64}, "sliding_window"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),
 ])
 def test_what_the_engine_does_not_implement_is_refused_with_the_field_named(

@@ -56,7 +56,10 @@ def test_qwen_window_counts_only_when_used():
     assert read(model_type="qwen2", sliding_window=1024, use_sliding_window=False).architecture == "qwen2"
     with pytest.raises(ModelLoadError, match="sliding_window=1024"):
         read(model_type="qwen2", sliding_window=1024, use_sliding_window=True)
-    assert read(model_type="mistral", sliding_window=4096).architecture == "mistral"   # = the context
+    assert read(model_type="mistral", sliding_window=4096).sliding_window is None   # = the context
+    assert read(model_type="mistral", sliding_window=1024).sliding_window == 1024
+    with pytest.raises(ModelLoadError, match="layer_types"):
+        read(model_type="mistral", sliding_window=1024, layer_types=["sliding_attention", "full_attention"])
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -66,6 +69,7 @@ def test_qwen_window_counts_only_when_used():
     ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"model_type": "llama", "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
     ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "llama", "sliding_window": 1024}, "sliding_window=1024"),
     ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok=3"),
     ({"model_type": "qwen3_moe", "num_experts_per_tok": 2, "moe_intermediate_size": 8}, "'num_experts'"),
 ])
