@@ -81,6 +81,24 @@ class ForwardBatch:
     decode_rows: torch.Tensor | None = None
     sample_rows: torch.Tensor | None = None
     logits_spans: list[tuple[int, int]] | None = None
+    _decode_biases: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def decode_bias(self, group: "DecodeGroup", window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """``group``'s attention bias in ``dtype``: ``[rows, 1, 1, span]``, -inf past each row's
+        context and, with ``window``, before its last ``window`` positions; None when nothing is
+        hidden. Built once per batch and reused by every layer."""
+        key = (group.lo, window, dtype)
+        if key not in self._decode_biases:
+            bias = group.bias if group.bias is None else group.bias.to(dtype)
+            if window is not None and group.span > window:
+                n, dev = group.hi - group.lo, group.blocks.device
+                lens = torch.tensor(self.decode_lens[group.lo:group.hi], device=dev)
+                before = torch.arange(group.span, device=dev)[None, :] < (lens - window)[:, None]
+                hide = torch.zeros(n, 1, 1, group.span, dtype=dtype, device=dev).masked_fill_(
+                    before.view(n, 1, 1, group.span), float("-inf"))
+                bias = hide if bias is None else bias + hide
+            self._decode_biases[key] = bias
+        return self._decode_biases[key]
 
     def sampling_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The ``[S, vocab]`` rows of ``logits`` (the model's output) to sample from."""
@@ -307,13 +325,7 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
             out = torch.empty(n, kv_heads, g.span, dim, dtype=q.dtype, device=q.device)
             return out.copy_(per_block.view(n, -1, kv_heads, dim)[:, :g.span].transpose(1, 2))
 
-        bias = g.bias if g.bias is None or g.bias.dtype == q.dtype else g.bias.to(q.dtype)
-        if window is not None and g.span > window:
-            lens = torch.tensor(batch.decode_lens[g.lo:g.hi], device=q.device)
-            before = torch.arange(g.span, device=q.device)[None, :] < (lens - window)[:, None]
-            hide = torch.zeros(n, 1, 1, g.span, dtype=q.dtype, device=q.device).masked_fill_(
-                before.view(n, 1, 1, g.span), float("-inf"))
-            bias = hide if bias is None else bias + hide
+        bias = batch.decode_bias(g, window, q.dtype)
         o = F.scaled_dot_product_attention(q[g.lo:g.hi], gather(k_pool), gather(v_pool), attn_mask=bias)
         outs.append(o.reshape(n, -1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -219,9 +219,7 @@ def _hf_qkv(cfg: ModelConfig, take, prefix: str) -> dict:
         return {x: take(f"{a}{x}_proj.weight") for x in "qkv"}
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     q, k, v = np.split(take(a + "qkv_proj.weight"), [q_rows, q_rows + kv_rows])
-    if v.shape[0] != kv_rows:
-        raise ModelLoadError(f"{a}qkv_proj.weight: {q_rows + 2 * kv_rows} rows expected")
-    return {"q": q, "k": k, "v": v}
+    return {"q": q, "k": k, "v": v}   # a wrong row count shows as a wrong wqkv (`_check_shapes`)
 
 
 def _hf_mlp(cfg: ModelConfig, take, prefix: str) -> dict:
@@ -261,6 +259,13 @@ def _check_shapes(cfg: ModelConfig, w: LlamaWeights, path: Path) -> None:
         "wqkv": (((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), w.layers[0].wqkv.shape),
         "wo": ((h, cfg.num_heads * d), w.layers[0].wo.shape),
     }
+    first = w.layers[0]
+    if first.bqkv is not None:
+        expected["bqkv"] = (((cfg.num_heads + 2 * cfg.num_kv_heads) * d,), first.bqkv.shape)
+    if first.bo is not None:
+        expected["bo"] = ((h,), first.bo.shape)
+    if first.q_norm is not None:
+        expected["q_norm / k_norm"] = ((d, d), (*first.q_norm.shape, *first.k_norm.shape))
     dense = next((layer for layer in w.layers if layer.w_gate_up is not None), None)
     if dense is not None:
         expected["w_gate_up"] = ((2 * cfg.intermediate_size, h), dense.w_gate_up.shape)

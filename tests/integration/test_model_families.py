@@ -25,6 +25,7 @@ from engine.config import CacheConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVPool
 from engine.loader import load_model
+from engine.sampling import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from tests.integration.worker_pair import broker, run_request, start_worker, stop, wait_ready
@@ -227,8 +228,6 @@ def test_served_disaggregated_over_tcp_equals_transformers(tmp_path, tokenizer_d
         decode, dch = wait_ready(daddr, pb_grpc.DecodeStub, dproc)
         prefill, pch = wait_ready(paddr, pb_grpc.PrefillStub, pproc)
         broker(prefill, decode)
-        from engine.sampling import SamplingParams
-
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         assert run_request(prefill, decode, "family-0", prompt(), params) == want_tokens
         d, p = decode.Stats(pb.StatsRequest()), prefill.Stats(pb.StatsRequest())
