@@ -83,7 +83,7 @@ def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int 
     from engine.linear import Linear
     from engine.mlas import RowInt8MatMul
     from engine.quant import Int4Linear
-    from engine.weights import load_weights
+    from engine.loader import load_weights
 
     _, weights = load_weights(path, torch.float32, native=True)
     layer = weights.layers[0]

@@ -10,13 +10,16 @@ from pathlib import Path
 import torch
 
 from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, kv_cache_dtype, weights_dtype
+from engine.errors import ModelLoadError
 from engine.generator import Generator
+from engine.gguf_weights import load_gguf
+from engine.hf_weights import load_hf_dir
 from engine.kv_cache import KVPool
 from engine.models.base import CausalLM
 from engine.models.registry import model_class
 from engine.tokenizer import Tokenizer
 from engine.modelfile import resolve_model_path
-from engine.weights import load_weights
+from engine.weights import LlamaWeights
 
 
 @dataclass
@@ -39,6 +42,29 @@ class LoadedModel:
     def kv_dtype(self) -> str:
         """KV pool dtype name ("float32", "bfloat16"): what `CacheConfig.dtype` must be."""
         return kv_cache_dtype(self.weights)
+
+
+def load_weights(path: str | Path, dtype: torch.dtype = torch.float32,
+                 native: bool = False) -> tuple[ModelConfig, LlamaWeights]:
+    """Load a GGUF file or a Hugging Face directory (config.json + *.safetensors).
+
+    Args:
+        path: a ``.gguf`` file or a directory.
+        dtype: parameter dtype (float32 or bfloat16) of every dense tensor.
+        native: keep the GGUF's Q4_0 / Q4_1 projections 4-bit (`engine.quant`).
+    Raises:
+        ModelLoadError: missing/malformed file, unsupported architecture, or ``native`` for a
+            model with no Q4_0 / Q4_1 projection (a Hugging Face directory, an F16 GGUF).
+    """
+    path = Path(path)
+    if path.is_dir():
+        if native:
+            raise ModelLoadError(f"{path}: native weights need a GGUF file with Q4_0/Q4_1/Q4_K tensors; "
+                                 "this is a Hugging Face directory (use fp32 or bf16)")
+        return load_hf_dir(path, dtype)
+    if path.suffix == ".gguf" or path.is_file():
+        return load_gguf(path, dtype, native)
+    raise ModelLoadError(f"not a model file or directory: {path}")
 
 
 def set_torch_threads(num_threads: int | None) -> None:
