@@ -248,7 +248,8 @@ class DecodeGroup:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
-                    block_size: int, window: int | None = None) -> torch.Tensor:
+                    block_size: int, window: int | None = None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention of the new tokens, after their K/V have been written into the pool.
 
     Args:
@@ -260,24 +261,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         window: sliding-window attention: the query at position ``p`` attends to positions
             ``p - window + 1 .. p`` only (Hugging Face's ``kv_idx > q_idx - sliding_window``);
             None: to every earlier position.
+        scale: the scores' scale; None: ``head_dim ** -0.5``.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
+            ``attn_logit_softcapping``, Hugging Face ``modeling_gemma2.eager_attention_forward``);
+            computed eagerly, since SDPA has no such hook.
     Returns:
         ``[T, num_heads * head_dim]`` in ``q``'s dtype.
     """
     if batch.is_decode:
-        return _decode_attention(q, k_pool, v_pool, batch, block_size, window)
+        return _decode_attention(q, k_pool, v_pool, batch, block_size, window, scale, softcap)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if batch.decode_rows is not None:
         out[batch.decode_rows] = _decode_attention(q.index_select(0, batch.decode_rows), k_pool, v_pool,
-                                                   batch, block_size, window)
+                                                   batch, block_size, window, scale, softcap)
     for first, n, ctx, blocks in batch.seq_ranges:
         if n == 1 and batch.decode_rows is not None:
             continue   # done above
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         windowed = window is not None and ctx > window
-        if ctx == n and not windowed:
+        if ctx == n and not windowed and softcap is None:
             ks = k[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
             vs = v[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
         else:
             if ctx == n:
                 ks, vs = k[first:first + n], v[first:first + n]
@@ -290,7 +295,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask = cols <= rows
             if windowed:
                 mask &= cols > rows - window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            o = _attend(qs, ks, vs, mask, scale, softcap)
         out[first:first + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
     return out
 
@@ -300,8 +305,28 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: i
     return per_block.index_select(0, blocks).flatten(0, 1)[:length]
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float | None, softcap: float | None) -> torch.Tensor:
+    """SDPA of ``q`` ``[..., heads, n, d]`` over ``k``, ``v`` ``[..., kv_heads, ctx, d]`` (query
+    head ``h`` reads KV head ``h // (heads / kv_heads)``), ``mask`` a boolean keep-mask or an
+    additive bias broadcasting to ``[..., heads, n, ctx]``. With ``softcap``, eagerly: scores
+    capped (``softcap * tanh(s / softcap)``), masked, softmax in float32 (as Hugging Face's
+    eager attention), and K/V repeated per query head (its ``repeat_kv``)."""
+    groups = q.shape[-3] // k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1, scale=scale)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, scale: float | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """One query per sequence, over its gathered K/V (``q``: ``[D, num_heads, head_dim]``;
     returns ``[D, num_heads * head_dim]``); with ``window``, over its last ``window`` positions.
 
@@ -326,6 +351,6 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
             return out.copy_(per_block.view(n, -1, kv_heads, dim)[:, :g.span].transpose(1, 2))
 
         bias = batch.decode_bias(g, window, q.dtype)
-        o = F.scaled_dot_product_attention(q[g.lo:g.hi], gather(k_pool), gather(v_pool), attn_mask=bias)
+        o = _attend(q[g.lo:g.hi], gather(k_pool), gather(v_pool), bias, scale, softcap)
         outs.append(o.reshape(n, -1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -75,6 +75,10 @@ class RopeScaling:
             raise ModelLoadError(f"rope scaling factor must be > 0, got {self.factor}")
 
 
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+"""Gated-MLP activations the engine implements (`ModelConfig.hidden_act`)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder, as stored in the weights file.
@@ -95,8 +99,12 @@ class ModelConfig:
         architecture: the family that runs it (`engine.models.registry`): a Hugging Face
             ``model_type`` or a GGUF ``general.architecture``.
         rope_scaling: None for plain rotary embeddings (``rope_type`` "default").
-        sliding_window: every layer attends to the last this many positions only (Mistral,
-            Mixtral); None: to the whole context.
+        sliding_window: a layer of ``window_layers`` attends to the last this many positions only
+            (Hugging Face's ``kv_idx > q_idx - sliding_window``); None: every layer to the whole context.
+        window_layers: the layers that attend through ``sliding_window`` (Gemma's and Qwen's
+            ``layer_types`` "sliding_attention"); None: every layer (Mistral, Mixtral, Phi-3).
+        local_rope_theta: RoPE base of the sliding layers when it differs from ``rope_theta``
+            (Gemma 3's ``rope_local_base_freq``; those layers get no ``rope_scaling``); None: the same.
         rotary_dim: how many of each head's first dimensions rotate (Phi-3's
             ``partial_rotary_factor``; the rest pass through); 0: all ``head_dim``.
         qkv_bias: Q, K and V projections add a bias (Qwen2; Llama's ``attention_bias``).
@@ -107,6 +115,19 @@ class ModelConfig:
         moe_intermediate_size: each expert's SwiGLU inner width.
         norm_topk_prob: the top-k routing weights are renormalized to sum to 1.
         moe_layers: indices of the layers whose MLP is the routed experts (the others dense).
+        hidden_act: the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma's
+            ``gelu_pytorch_tanh``).
+        norm_offset: every RMSNorm scales by ``norm_offset + weight`` (Gemma: 1.0; the loaders
+            add it to the stored weights, as llama.cpp's converter does).
+        sandwich_norms: attention and MLP outputs are RMS-normed before the residual add
+            (Gemma 2/3's ``post_attention_layernorm`` / ``post_feedforward_layernorm``).
+        embedding_multiplier: the token embedding is scaled by it, in the weights' dtype (Gemma:
+            ``sqrt(hidden_size)``); None: not scaled.
+        attn_scale: attention scores' scale (Gemma: ``query_pre_attn_scalar ** -0.5``); None:
+            ``head_dim ** -0.5``.
+        attn_softcap: attention scores become ``cap * tanh(scores / cap)`` before the mask
+            (Gemma 2's ``attn_logit_softcapping``); None: no capping.
+        final_softcap: the logits become ``cap * tanh(logits / cap)`` (``final_logit_softcapping``).
     """
 
     name: str
@@ -133,6 +154,21 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    window_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embedding_multiplier: float | None = None
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (tokens), None when it attends to the whole context."""
+        if self.sliding_window is None or (self.window_layers is not None and layer not in self.window_layers):
+            return None
+        return self.sliding_window
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -141,6 +177,11 @@ class ModelConfig:
                 raise ModelLoadError(f"model config: {field} must be >= 1, got {getattr(self, field)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"model config: sliding_window must be >= 1, got {self.sliding_window}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ModelLoadError(f"model config: hidden_act={self.hidden_act!r} is not one of {HIDDEN_ACTS}")
+        for field in ("attn_softcap", "final_softcap", "attn_scale", "embedding_multiplier"):
+            if getattr(self, field) is not None and not getattr(self, field) > 0:
+                raise ModelLoadError(f"model config: {field} must be > 0, got {getattr(self, field)}")
         if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             raise ModelLoadError(f"model config: rotary_dim={self.rotary_dim} must be even and within "
                                  f"head_dim={self.head_dim}")

@@ -68,6 +68,15 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeigh
     cfg = model_config_from_hf(hf, path.name, f"{path}/config.json")
     files = _SafetensorsDir(path)
     take = files.take
+
+    def norm(name: str) -> torch.Tensor:
+        """A norm weight; Gemma's ``(1 + w)`` kept in float32, as transformers computes it."""
+        if not cfg.norm_offset:
+            return to_tensor(take(name), dtype)
+        return to_tensor(take(name), torch.float32) + cfg.norm_offset
+
+    # Gemma: post_attention_layernorm normalizes the attention output, pre_feedforward_layernorm the MLP input
+    ffn_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -75,8 +84,13 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeigh
         mlp = {} if moe else _hf_mlp(cfg, take, p)
         layer = fuse_layer(
             cfg, dtype, attn_norm=take(p + "input_layernorm.weight"), **_hf_qkv(cfg, take, p),
-            o=take(p + "self_attn.o_proj.weight"), ffn_norm=take(p + "post_attention_layernorm.weight"), **mlp,
+            o=take(p + "self_attn.o_proj.weight"), ffn_norm=take(p + f"{ffn_norm}.weight"), **mlp,
         )
+        if cfg.norm_offset:
+            layer.attn_norm, layer.ffn_norm = norm(p + "input_layernorm.weight"), norm(p + f"{ffn_norm}.weight")
+        if cfg.sandwich_norms:
+            layer.post_attn_norm = norm(p + "post_attention_layernorm.weight")
+            layer.post_ffn_norm = norm(p + "post_feedforward_layernorm.weight")
         if moe:
             layer.experts = _hf_experts(cfg, take, p, dtype)
         if cfg.qkv_bias:
@@ -84,8 +98,8 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeigh
         if cfg.o_bias:
             layer.bo = to_tensor(take(p + "self_attn.o_proj.bias"), dtype)
         if cfg.qk_norm:
-            layer.q_norm = to_tensor(take(p + "self_attn.q_norm.weight"), dtype)
-            layer.k_norm = to_tensor(take(p + "self_attn.k_norm.weight"), dtype)
+            layer.q_norm = norm(p + "self_attn.q_norm.weight")
+            layer.k_norm = norm(p + "self_attn.k_norm.weight")
         layers.append(layer)
     embed = to_tensor(take("model.embed_tokens.weight"), dtype)
     if cfg.tie_word_embeddings:
@@ -97,7 +111,7 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeigh
     else:
         raise ModelLoadError(f"{path}: tie_word_embeddings=False but the checkpoint has no lm_head.weight")
     weights = LlamaWeights(embed=embed, layers=layers,
-                           final_norm=to_tensor(take("model.norm.weight"), dtype), lm_head=lm_head)
+                           final_norm=norm("model.norm.weight"), lm_head=lm_head)
     check_shapes(cfg, weights, path)
     files.check_all_used()
     return cfg, weights

@@ -134,14 +134,20 @@ def release_freed_memory() -> None:
 
 
 def _to_device(w, dev: torch.device):
-    from dataclasses import fields, replace
+    """``w`` (a tensor, None, a list or a dataclass of them: `LlamaWeights`) with every tensor on
+    ``dev``; the tied head stays the embedding."""
+    from dataclasses import fields, is_dataclass, replace
 
-    from engine.weights import LayerWeights
-
-    layers = [LayerWeights(**{f.name: getattr(l, f.name).to(dev) for f in fields(l)}) for l in w.layers]
-    embed = w.embed.to(dev)
-    lm_head = embed if w.lm_head is w.embed else w.lm_head.to(dev)
-    return replace(w, embed=embed, layers=layers, final_norm=w.final_norm.to(dev), lm_head=lm_head)
+    if w is None:
+        return None
+    if isinstance(w, list):
+        return [_to_device(x, dev) for x in w]
+    if not is_dataclass(w):
+        return w.to(dev)
+    moved = {f.name: _to_device(getattr(w, f.name), dev) for f in fields(w) if f.init}
+    if isinstance(w, LlamaWeights) and w.lm_head is w.embed:
+        moved["lm_head"] = moved["embed"]
+    return replace(w, **moved)
 
 
 def build_generator(loaded: LoadedModel, cache: CacheConfig | None = None,

@@ -27,7 +27,9 @@ class LayerWeights:
     """One decoder block. Shapes: see module docstring; norms are ``[hidden]``. A projection is a
     dense tensor, or an `Int4Weight` of the same logical shape when loaded natively. Present only
     when the config asks for them: ``bqkv`` ``[(num_heads + 2 * num_kv_heads) * head_dim]``, ``bo``
-    ``[hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]``; in a layer of `ModelConfig.moe_layers`,
+    ``[hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]``, ``post_attn_norm`` / ``post_ffn_norm``
+    ``[hidden]`` (`ModelConfig.sandwich_norms`); norms with `ModelConfig.norm_offset` already
+    include it and stay float32 whatever the dtype; in a layer of `ModelConfig.moe_layers`,
     ``experts`` (`engine.models.moe.ExpertWeights`) and no ``w_gate_up`` / ``w_down`` (None)."""
 
     attn_norm: torch.Tensor
@@ -40,6 +42,8 @@ class LayerWeights:
     bo: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
     experts: ExpertWeights | None = None
 
 

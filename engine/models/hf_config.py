@@ -4,7 +4,7 @@ Both spellings transformers has written are read: transformers 4 puts ``rope_the
 ``rope_scaling`` at the top level; transformers 5 puts both inside ``rope_parameters``
 (``rope_type`` or the older ``type`` key; ``original_max_position_embeddings`` at the top level,
 as Phi-3 has it, wins). Anything the engine does not implement is a `ModelLoadError` naming the
-field and its value: a rope type, a sliding window in use, an activation, a bias, a
+field and its value: a rope type, an attention kind, an activation, a bias, a
 ``quantization_config``. Nothing is silently dropped.
 """
 
@@ -22,8 +22,17 @@ FAMILIES = {
     "qwen3_moe": (False, True),
     "mixtral": (False, False),
     "phi3": (False, False),
+    "gemma2": (False, False),
+    "gemma3_text": (False, True),
 }
 """The ``model_type`` values this reader understands, and the layer features each one implies."""
+
+GEMMA = {"gemma2", "gemma3_text"}
+"""Gemma 2 and 3 (text): GeGLU, ``(1 + w)`` norms around attention and MLP, a scaled embedding,
+``query_pre_attn_scalar``, soft-capping; Gemma 3 adds per-layer-type rope parameters."""
+
+_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""Hugging Face activation names (``hidden_act`` / Gemma's ``hidden_activation``) -> `ModelConfig.hidden_act`."""
 
 PARTIAL_ROTARY = {"phi3"}
 """Families whose attention rotates only the first ``partial_rotary_factor`` of each head."""
@@ -95,19 +104,22 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
     if hf.get("quantization_config"):
         raise _refuse(where, "quantization_config", hf["quantization_config"].get("quant_method", "?"),
                       "(a pre-quantized checkpoint) is not supported")
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise _refuse(where, "hidden_act", act)
+    act_field = "hidden_activation" if model_type in GEMMA and "hidden_activation" in hf else "hidden_act"
+    act = hf.get(act_field, "gelu_pytorch_tanh" if model_type in GEMMA else "silu")   # the config classes' defaults
+    if act not in _ACTS:
+        raise _refuse(where, act_field, act, f"is not supported; supported: {', '.join(_ACTS)}")
+    if hf.get("use_bidirectional_attention"):
+        raise _refuse(where, "use_bidirectional_attention", True, "(an embedding model) is not supported")
     if hf.get("mlp_bias"):
         raise _refuse(where, "mlp_bias", hf["mlp_bias"])
-    window = _window(hf, model_type, where)
     qkv_bias, qk_norm = FAMILIES[model_type]
     attention_bias = bool(hf.get("attention_bias", False))
-    theta, scaling, partial = rope_from_hf(hf, where)
+    theta, scaling, partial, local_theta = _rope(hf, model_type, where)
     if partial != 1.0 and model_type not in PARTIAL_ROTARY:
         raise _refuse(where, "partial_rotary_factor", partial, f"is not supported for {model_type}")
     moe = _experts(hf, model_type, where)
     try:
+        window, window_layers = _windows(hf, model_type, int(hf["num_hidden_layers"]), where)
         heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
         return ModelConfig(
@@ -122,15 +134,19 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
             rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMA)),
             architecture=model_type,
             rope_scaling=scaling,
             sliding_window=window,
+            window_layers=window_layers,
+            local_rope_theta=local_theta,
+            hidden_act=_ACTS[act],
             rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
             qkv_bias=qkv_bias or attention_bias,
             o_bias=attention_bias,
             qk_norm=qk_norm,
             **moe,
+            **_gemma(hf, model_type),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None
@@ -164,21 +180,74 @@ def _experts(hf: dict, model_type: str, where: str) -> dict:
     return {}
 
 
-SLIDING_WINDOW = {"mistral", "mixtral"}
-"""Families whose every layer attends through ``sliding_window`` when the config sets one."""
+def _gemma(hf: dict, model_type: str) -> dict:
+    """The `ModelConfig` fields of Gemma 2/3's layer (source: transformers ``modeling_gemma2.py``,
+    ``modeling_gemma3.py``): ``(1 + w)`` norms, norms after attention and MLP, the embedding
+    scaled by ``sqrt(hidden_size)``, scores scaled by ``query_pre_attn_scalar ** -0.5``, soft-capping."""
+    if model_type not in GEMMA:
+        return {}
+    return dict(norm_offset=1.0, sandwich_norms=True, embedding_multiplier=float(hf["hidden_size"]) ** 0.5,
+                attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+                attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"))
 
 
-def _window(hf: dict, model_type: str, where: str) -> int | None:
-    """The sliding window in use (None: none, or one not shorter than the context); refused for
-    families that apply it per layer (Qwen's ``use_sliding_window``) and per-layer attention kinds."""
-    kinds = set(hf.get("layer_types") or ())
-    if kinds - {"full_attention"} and (model_type not in SLIDING_WINDOW or kinds != {"sliding_attention"}):
-        raise _refuse(where, "layer_types", sorted(kinds), "(a mix, or attention other than full) is not supported")
+def _rope(hf: dict, model_type: str, where: str) -> tuple[float, RopeScaling | None, float, float | None]:
+    """`rope_from_hf` plus the sliding layers' own base: Gemma 3 gives each layer type its rope
+    parameters (transformers 5: ``rope_parameters`` keyed by ``full_attention`` and
+    ``sliding_attention``; transformers 4: ``rope_local_base_freq`` beside the global ones)."""
+    if model_type != "gemma3_text":
+        return (*rope_from_hf(hf, where), None)
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = dict(params.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
+            raise _refuse(where, "rope_parameters.sliding_attention", local, "(scaled local rope) is not supported")
+        return (*rope_from_hf({**hf, "rope_parameters": params["full_attention"]}, where),
+                float(local.get("rope_theta", 10000.0)))
+    return (*rope_from_hf(hf, where), float(hf.get("rope_local_base_freq", 10000.0)))
+
+
+SLIDING_WINDOW = {"mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"}
+"""Families whose layers may attend through a ``sliding_window`` (every layer, or those
+``layer_types`` names "sliding_attention")."""
+
+_QWEN = {"qwen2", "qwen3", "qwen3_moe"}
+_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _windows(hf: dict, model_type: str, num_layers: int, where: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(sliding_window, window_layers)`` (`ModelConfig`): which layers slide, from ``layer_types``
+    when the config has it (transformers 5), else as each family's transformers 4 code derives
+    it: Qwen only with ``use_sliding_window`` (Qwen2/3: layers from ``max_window_layers`` on;
+    Qwen3-MoE: all), Gemma 2 the even layers, Gemma 3 all but every ``sliding_window_pattern``-th,
+    Mistral, Mixtral and Phi-3 every layer. A window not shorter than the context is none.
+
+    Raises:
+        ModelLoadError: an attention kind other than full and sliding, ``layer_types`` of the wrong
+            length, or a window in a family that has none (Llama).
+    """
+    kinds = hf.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != num_layers or set(kinds) - _LAYER_TYPES:
+            raise _refuse(where, "layer_types", kinds, f"must list {num_layers} of {sorted(_LAYER_TYPES)}")
+        sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    elif model_type in _QWEN:
+        if not hf.get("use_sliding_window", False):
+            return None, None   # Qwen keeps a window size in its config, used only with use_sliding_window
+        first = 0 if model_type == "qwen3_moe" else int(hf.get("max_window_layers", num_layers))
+        sliding = list(range(first, num_layers))
+    elif model_type == "gemma2":
+        sliding = list(range(0, num_layers, 2))
+    elif model_type == "gemma3_text":
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        sliding = [i for i in range(num_layers) if (i + 1) % pattern]
+    else:
+        sliding = list(range(num_layers))
     window = hf.get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
-        return None   # Qwen keeps a window size in its config, used only with use_sliding_window
-    if window is None or int(window) >= int(hf.get("max_position_embeddings", 2048)):
-        return None
+    if not sliding or window is None or int(window) >= int(hf.get("max_position_embeddings", 2048)):
+        if sliding and window is None and kinds is not None:
+            raise _refuse(where, "sliding_window", None, "is missing for the layers layer_types makes sliding")
+        return None, None
     if model_type not in SLIDING_WINDOW:
         raise _refuse(where, "sliding_window", window, f"(shorter than the context) is not supported for {model_type}")
-    return int(window)
+    return int(window), None if len(sliding) == num_layers else tuple(sliding)

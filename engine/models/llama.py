@@ -12,7 +12,9 @@ the MLP (`engine.models.moe`, `ModelConfig.moe_layers`) it is Mixtral's and Qwen
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +72,9 @@ class LlamaModel:
         self._embed = weights.embed
         self._final_norm = weights.final_norm
         self._norms = [(layer.attn_norm, layer.ffn_norm) for layer in weights.layers]
+        self._post_norms = [(layer.post_attn_norm, layer.post_ffn_norm) for layer in weights.layers]
+        self._windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self._act = F.silu if config.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
         self._extras = [_LayerExtras(layer, config) for layer in weights.layers]
         backend = resolve_backend(linear_backend, weights.embed.device)
         self.linear_backend = backend
@@ -91,7 +96,14 @@ class LlamaModel:
             self._choose_low_bit_rows(max_int4_rows, max_int8_head_rows)
         self.gemv_copies = self._keep_gemv_copies_if_faster()
         self.device = weights.embed.device
-        self._cos, self._sin = (t.to(self.device) for t in rope_tables(config, self.dtype))
+        # one table per distinct rope (Gemma 3's sliding layers have their own base), and per layer its index
+        ropes = [config]
+        if config.local_rope_theta is not None:
+            ropes.append(dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))
+        self._ropes = [tuple(t.to(self.device) for t in rope_tables(r, self.dtype)) for r in ropes]
+        self._layer_rope = [1 if len(ropes) > 1 and w is not None else 0 for w in self._windows]
+        self._embed_scale = (None if config.embedding_multiplier is None
+                             else torch.tensor(config.embedding_multiplier, dtype=self.dtype, device=self.device))
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -119,21 +131,23 @@ class LlamaModel:
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         h = self._embed.index_select(0, batch.input_ids)
-        cos = self._cos.index_select(0, batch.positions)[:, None, :]
-        sin = self._sin.index_select(0, batch.positions)[:, None, :]
+        if self._embed_scale is not None:   # Gemma: times sqrt(hidden) rounded to the weights' dtype
+            h = h * self._embed_scale
+        tables = [(cos.index_select(0, batch.positions)[:, None, :], sin.index_select(0, batch.positions)[:, None, :])
+                  for cos, sin in self._ropes]
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads
-        for i, ((attn_norm, ffn_norm), lin, extra, experts) in enumerate(
-                zip(self._norms, self._layers, self._extras, self._experts)):
+        for i, ((attn_norm, ffn_norm), (post_attn, post_ffn), lin, extra, experts) in enumerate(
+                zip(self._norms, self._post_norms, self._layers, self._extras, self._experts)):
             x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = lin.wqkv(x)
             if extra.bqkv is not None:
                 qkv = qkv + extra.bqkv
             qk = qkv[:, :qk_size].view(t, heads, c.head_dim)
-            if extra.qk_norm is not None:   # Qwen3: RMSNorm per head, Q's weight and K's
-                qk = _rms_norm(qk, (c.head_dim,), None, c.rms_norm_eps) * extra.qk_norm
-            qk = _rotate(qk, cos, sin)   # Q and K heads at once
+            if extra.qk_norm is not None:   # Qwen3, Gemma 3: RMSNorm per head, Q's weight and K's
+                qk = _rms_norm(qk, (c.head_dim,), extra.qk_norm, c.rms_norm_eps)
+            qk = _rotate(qk, *tables[self._layer_rope[i]])   # Q and K heads at once
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
             if kv_cast:   # attention on the K/V as stored (paged_attention casts them to q's dtype)
@@ -143,22 +157,33 @@ class LlamaModel:
             k_pool, v_pool = pool.layer_view(i)
             k_pool.index_copy_(0, batch.slot_mapping, k)
             v_pool.index_copy_(0, batch.slot_mapping, v)
-            attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, c.sliding_window)
+            attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, self._windows[i],
+                                   c.attn_scale, c.attn_softcap)
             if q_cast:
                 attn = attn.to(self.dtype)
             out = lin.wo(attn)
-            h = h + (out if extra.bo is None else out + extra.bo)
+            if extra.bo is not None:
+                out = out + extra.bo
+            if post_attn is not None:   # Gemma: the attention output normed before the residual add
+                out = _rms_norm(out, (c.hidden_size,), post_attn, c.rms_norm_eps)
+            h = h + out
             x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
             if experts is not None:
-                h = h + experts(x)
+                out = experts(x)
             else:
                 gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
-                h = h + lin.w_down(F.silu(gate) * up)
+                out = lin.w_down(self._act(gate) * up)
+            if post_ffn is not None:
+                out = _rms_norm(out, (c.hidden_size,), post_ffn, c.rms_norm_eps)
+            h = h + out
             if on_layer_done is not None:
                 on_layer_done(i)
         h = _rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
                        self._final_norm, c.rms_norm_eps)
-        return self._lm_head(h).float()
+        logits = self._lm_head(h).float()
+        if c.final_softcap is not None:   # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 
     def _keep_gemv_copies_if_faster(self) -> bool:
         """Time one-row inputs through the gemv copies and the packed weights (layer 0's
@@ -220,15 +245,24 @@ class _LayerLinears:
 
 
 def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim. Float32 input: ``F.rms_norm``. Lower precision (bfloat16):
-    normalized in float32, cast back, then scaled by the weight, as Hugging Face's
-    ``LlamaRMSNorm`` does; ``F.rms_norm`` on bfloat16 loses enough that SmolLM2-135M's greedy
-    answers change ("What is the capital of France?" stops answering Paris)."""
+    """RMSNorm over the last dim, scaled by ``weight`` (``shape``, or with leading dims that
+    broadcast: per-head Q/K norms ``[heads, head_dim]``). Float32 input: ``F.rms_norm``. Lower
+    precision (bfloat16): normalized in float32, then cast back and scaled by a weight of
+    ``x``'s dtype, as Hugging Face's ``LlamaRMSNorm`` does (``F.rms_norm`` on bfloat16 loses
+    enough that SmolLM2-135M's greedy answers change: "What is the capital of France?" stops
+    answering Paris), or scaled in float32 by a float32 weight and then cast, as
+    ``Gemma2RMSNorm`` does."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, shape, weight, eps)
+        if weight is None or weight.shape == shape:
+            return F.rms_norm(x, shape, weight, eps)
+        return F.rms_norm(x, shape, None, eps) * weight
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
+    if weight is None:
+        return xf.to(x.dtype)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
+    return weight * xf.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

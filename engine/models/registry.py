@@ -13,12 +13,14 @@ from engine.models.llama import LlamaModel
 
 ARCHITECTURES: dict[str, type] = {
     "llama": LlamaModel,
-    "mistral": LlamaModel,   # a Llama network; a sliding window shorter than the context is refused
+    "mistral": LlamaModel,   # a Llama network with a sliding window on every layer
     "qwen2": LlamaModel,     # Q/K/V biases
     "qwen3": LlamaModel,     # per-head Q/K RMSNorm
     "qwen3_moe": LlamaModel,  # Qwen3 with routed experts (engine.models.moe)
     "mixtral": LlamaModel,   # Mistral with routed experts
     "phi3": LlamaModel,      # fused qkv / gate_up tensors in the checkpoint, partial rotary
+    "gemma2": LlamaModel,    # GeGLU, (1 + w) norms around attention and MLP, soft-capping, alternating windows
+    "gemma3_text": LlamaModel,  # Gemma 2 with Q/K norms, a local rope base for the sliding layers
 }
 
 

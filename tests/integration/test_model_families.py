@@ -40,6 +40,9 @@ BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_l
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 
+GEMMA = {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 64,
+         "layer_types": ["sliding_attention", "full_attention"]}
+
 # name: (config class, config fields, rope parameters as transformers 5 writes them)
 FAMILIES = {
     "llama": ("LlamaConfig", {}, {"rope_type": "default", "rope_theta": 10000.0}),
@@ -58,6 +61,15 @@ FAMILIES = {
              {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
                 {"rope_type": "default", "rope_theta": 1e6}),
+    # Gemma: a sliding layer then a global one, head_dim and query_pre_attn_scalar unlike
+    # hidden / heads, soft-capping low enough to bite
+    "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 10.0, "final_logit_softcapping": 15.0},
+               {"rope_type": "default", "rope_theta": 1e4}),
+    "gemma3": ("Gemma3TextConfig", {**GEMMA, "tie_word_embeddings": True},
+               {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+                     {"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
@@ -87,7 +99,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def build_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
     """Write ``family``'s tiny checkpoint into ``out`` (transformers 5 spelling) and return it."""
     cls, fields, rope = FAMILIES[family]
-    config = getattr(transformers, cls)(**BASE, **fields, rope_parameters=dict(rope))
+    config = getattr(transformers, cls)(**{**BASE, **fields}, rope_parameters=dict(rope))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, 1)
@@ -99,10 +111,18 @@ def build_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
 
 def as_transformers4(src: Path, out: Path) -> Path:
     """The same checkpoint with its config in transformers 4's spelling: ``rope_theta``,
-    ``partial_rotary_factor`` and ``rope_scaling`` (``type`` key) at the top level."""
+    ``partial_rotary_factor`` and ``rope_scaling`` (``type`` key) at the top level; Gemma 3's
+    local base as ``rope_local_base_freq``; no ``layer_types`` (each family derives them:
+    Gemma 2 the even layers, Gemma 3 from ``sliding_window_pattern``, Qwen from
+    ``max_window_layers``)."""
     shutil.copytree(src, out)
     cfg = json.loads((out / "config.json").read_text())
     rope = cfg.pop("rope_parameters")
+    if "full_attention" in rope:
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = dict(rope["full_attention"])
+    if cfg.pop("layer_types", None) and cfg["model_type"] == "gemma3_text":
+        cfg["sliding_window_pattern"] = 2
     cfg["rope_theta"] = rope.pop("rope_theta")
     if "partial_rotary_factor" in rope:
         cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
@@ -190,8 +210,12 @@ def test_logits_and_greedy_tokens_equal_transformers(family, spelling, tmp_path)
 def test_a_1pct_rope_theta_change_is_caught(family, tmp_path):
     """The comparison above fails when the engine runs the checkpoint with theta 1% off."""
     name, path, (want_logits, _) = family
-    theta = json.loads((path / "config.json").read_text())["rope_parameters"]["rope_theta"]
-    wrong = with_config(path, tmp_path / "wrong", rope_parameters={"rope_theta": theta * 1.01})
+    rope = json.loads((path / "config.json").read_text())["rope_parameters"]
+    if "full_attention" in rope:   # Gemma 3: the global layers' theta
+        rope["full_attention"]["rope_theta"] *= 1.01
+    else:
+        rope["rope_theta"] *= 1.01
+    wrong = with_config(path, tmp_path / "wrong", rope_parameters=rope)
     logits, _ = engine_logits_and_greedy(wrong)
     assert (logits - want_logits).abs().max().item() > 1e-2
 

@@ -52,18 +52,50 @@ def test_moe_layers_follow_sparse_step_and_dense_layers():
     assert mix.moe_layers == (0, 1, 2, 3) and mix.norm_topk_prob and mix.moe_intermediate_size == 96
 
 
-def test_qwen_window_counts_only_when_used():
-    assert read(model_type="qwen2", sliding_window=1024, use_sliding_window=False).architecture == "qwen2"
-    with pytest.raises(ModelLoadError, match="sliding_window=1024"):
-        read(model_type="qwen2", sliding_window=1024, use_sliding_window=True)
+def test_windows_per_layer_from_layer_types_or_each_familys_rule():
+    """transformers 5 lists ``layer_types``; transformers 4 configs leave each family's code to
+    derive them (Qwen2/3 from max_window_layers, Gemma 2 the even layers, Gemma 3 by pattern)."""
+    assert read(model_type="qwen2", sliding_window=1024, use_sliding_window=False).sliding_window is None
+    qwen = read(model_type="qwen2", sliding_window=1024, use_sliding_window=True, max_window_layers=2)
+    assert (qwen.sliding_window, qwen.window_layers) == (1024, (2, 3))
+    assert [qwen.layer_window(i) for i in range(4)] == [None, None, 1024, 1024]
+    kinds = ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert read(model_type="qwen2", sliding_window=1024, use_sliding_window=True, layer_types=kinds) == qwen
+    assert read(model_type="qwen3_moe", num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                sliding_window=1024, use_sliding_window=True).window_layers is None   # every layer
+    assert read(model_type="gemma2", sliding_window=1024, head_dim=32).window_layers == (0, 2)
+    assert read(model_type="gemma3_text", sliding_window=1024, sliding_window_pattern=2).window_layers == (0, 2)
+    every = read(model_type="gemma3_text", sliding_window=1024)   # pattern 6: all four layers
+    assert (every.sliding_window, every.window_layers) == (1024, None)
     assert read(model_type="mistral", sliding_window=4096).sliding_window is None   # = the context
-    assert read(model_type="mistral", sliding_window=1024).sliding_window == 1024
-    with pytest.raises(ModelLoadError, match="layer_types"):
-        read(model_type="mistral", sliding_window=1024, layer_types=["sliding_attention", "full_attention"])
+    mistral = read(model_type="mistral", sliding_window=1024)
+    assert (mistral.sliding_window, mistral.window_layers) == (1024, None)
+    assert read(model_type="phi3", sliding_window=2047).layer_window(3) == 2047
+
+
+def test_gemma_reads_its_layer_and_both_rope_spellings():
+    new = read(model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=24, sliding_window=512,
+               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    old = read(model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=24, sliding_window=512,
+               rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert new == old
+    assert (new.rope_theta, new.local_rope_theta, new.rope_scaling.rope_type) == (1e6, 1e4, "linear")
+    assert new.qk_norm and new.sandwich_norms and new.norm_offset == 1.0 and new.tie_word_embeddings
+    assert new.attn_scale == 24 ** -0.5 and new.embedding_multiplier == 8.0 and new.hidden_act == "gelu_tanh"
+    g2 = read(model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    assert (g2.attn_softcap, g2.final_softcap, g2.qk_norm, g2.local_rope_theta) == (50.0, 30.0, False, None)
 
 
 @pytest.mark.parametrize("fields, named", [
-    ({"model_type": "gemma2"}, "model_type='gemma2'"),
+    ({"model_type": "gemma3"}, "model_type='gemma3'"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                                       "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention"),
+    ({"model_type": "gemma2", "layer_types": ["sliding_attention"] * 4}, "sliding_window"),
+    ({"model_type": "mistral", "sliding_window": 1024, "layer_types": ["chunked_attention"] * 4}, "layer_types"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
