@@ -1,13 +1,16 @@
 """Llama-family decoder in plain torch, reading and writing K/V through a paged pool.
 
 RMSNorm, rotary embeddings with the file's theta and scaling ("rotate half" convention,
-`engine.models.rope`), grouped-query attention, SwiGLU MLP, tied embeddings when the file has no
+`engine.models.rope`), grouped-query attention, a gated MLP, tied embeddings when the file has no
 output weight. Fused Q/K/V and gate/up projections (see `engine.weights`). The same network
 with Q/K/V biases is Qwen2's, with per-head Q/K RMSNorm before the rotation Qwen3's; the config
 says which (`ModelConfig.qkv_bias`, ``o_bias``, ``qk_norm``); with routed experts in place of
-the MLP (`engine.models.moe`, `ModelConfig.moe_layers`) it is Mixtral's and Qwen3-MoE's. References: Hugging Face
-``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_mixtral.py``,
-``modeling_qwen3_moe.py``.
+the MLP (`engine.models.moe`, `ModelConfig.moe_layers`) it is Mixtral's and Qwen3-MoE's. Gemma 2
+and 3 are the same network with GeGLU, ``(1 + w)`` norms also after attention and MLP, a scaled
+embedding, ``query_pre_attn_scalar``, soft-capping, sliding windows on some layers and (Gemma 3)
+their own rope base (`ModelConfig.sandwich_norms` and the fields after it). References: Hugging
+Face ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_mixtral.py``,
+``modeling_qwen3_moe.py``, ``modeling_gemma2.py``, ``modeling_gemma3.py``.
 """
 
 from __future__ import annotations
