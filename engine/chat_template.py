@@ -25,6 +25,12 @@ copied under ``reasoning_content`` and ``thinking``), ``tools`` (JSON schemas as
 ``documents`` (or None), ``add_generation_prompt``, the model's special tokens (``bos_token``,
 ``eos_token``, ...) and any extra variables, which override the special tokens.
 
+Continuing the final message (``continue_final_message``, transformers' tag method): a tag is
+appended to the last message's content (its last text part when the content is a list), the
+chat renders without a generation prompt, and the text is cut where the tag starts (and its
+trailing whitespace stripped when the template did not keep the tag's own trailing space), so the
+prompt ends inside that message and the model continues it.
+
 Errors: `TokenizerError` when a template cannot be loaded or does not parse (the model's files
 are at fault); `ChatTemplateError` (an `InvalidRequestError`: HTTP 400 at the router) when a
 template rejects the messages (``raise_exception``) or fails on them.
@@ -46,6 +52,7 @@ DEFAULT, TOOL_USE = "default", "tool_use"
 # The named special tokens transformers 5 passes to a template (SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # transformers' continue_final_message_tag
 
 
 def load_hf_templates(directory: Path, config: Mapping) -> dict[str, str]:
@@ -119,19 +126,26 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = False,
                tools: Sequence[Mapping] | None = None, documents: Sequence[Mapping] | None = None,
-               **kwargs) -> str:
+               continue_final_message: bool = False, **kwargs) -> str:
         """The prompt text; see the module docstring for what the template sees. ``kwargs`` are
-        extra template variables (e.g. ``enable_thinking``). Raises `ChatTemplateError`."""
-        template = _compile(self.select(tools))
+        extra template variables (e.g. ``enable_thinking``). ``continue_final_message``: the text
+        ends inside the last message (not with ``add_generation_prompt``). Raises
+        `ChatTemplateError` (also for both flags set, or a last message the template drops)."""
+        source = self.select(tools)
+        messages = [_normalized(m) for m in messages]
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
+            messages = _tagged_final(messages, source)
         try:
-            return template.render(messages=[_normalized(m) for m in messages],
-                                   tools=None if tools is None else list(tools),
-                                   documents=None if documents is None else list(documents),
-                                   add_generation_prompt=add_generation_prompt, **{**self.variables, **kwargs})
+            text = _compile(source).render(messages=messages, tools=None if tools is None else list(tools),
+                                           documents=None if documents is None else list(documents),
+                                           add_generation_prompt=add_generation_prompt, **{**self.variables, **kwargs})
         except ChatTemplateError:
             raise
         except Exception as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+        return _cut_at_tag(text) if continue_final_message else text
 
 
 def _normalized(message: Mapping) -> dict:
@@ -142,6 +156,39 @@ def _normalized(message: Mapping) -> dict:
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
+
+
+def _tagged_final(messages: list[dict], source: str) -> list[dict]:
+    """transformers' ``render_jinja_template`` for ``continue_final_message``: the last message's
+    content (its last text part) with `_CONTINUE_TAG` appended; a new list."""
+    if not messages:
+        raise ChatTemplateError("continue_final_message is set but there are no messages")
+    last = dict(messages[-1])
+    content = last.get("content")
+    if content is None:
+        raise ChatTemplateError('continue_final_message is set but the final message has no "content" to continue')
+    if "content" not in source:
+        raise ChatTemplateError('continue_final_message is set but the chat template does not read "content"')
+    if isinstance(content, (list, tuple)):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        texts = [i for i, p in enumerate(parts) if isinstance(p, dict) and "text" in p]
+        if not texts:
+            raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
+        parts[texts[-1]]["text"] = parts[texts[-1]]["text"] + _CONTINUE_TAG
+        last["content"] = parts
+    else:
+        last["content"] = content + _CONTINUE_TAG
+    return [*messages[:-1], last]
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered text up to the continue tag (stripped on the right when the template
+    trimmed the tag's trailing space, as transformers does)."""
+    tag = _CONTINUE_TAG.strip()
+    if tag not in text:
+        raise ChatTemplateError("continue_final_message is set but the chat template drops the final message")
+    at = text.rindex(tag)
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 def _raise_exception(message: str):

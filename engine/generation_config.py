@@ -31,7 +31,7 @@ class GenerationDefaults:
         temperature: >= 0 (0: greedy).
         top_p: in (0, 1].
         top_k: >= -1 (0 and -1: disabled).
-        min_p: in [0, 1]. pdserve does not serve min_p: the router does not apply it.
+        min_p: in [0, 1] (0: disabled).
         repetition_penalty: > 0.
         max_tokens: >= 1, the file's ``max_new_tokens``: a chat request's default limit.
     Raises:

@@ -1,5 +1,5 @@
 """Sampling parameters and the sampler: logits processors (penalties, logit bias, min_tokens),
-greedy / temperature / top-k / top-p, seeded draws that do not depend on where they happen, and
+greedy / temperature / min-p / top-k / top-p, seeded draws that do not depend on where they happen, and
 logprobs.
 
 Every row of a batch is processed alone: a row without penalties, bias or min_tokens costs
@@ -48,6 +48,9 @@ class SamplingParams:
             are divided by it (t <= 100).
         top_p: nucleus sampling mass, 0 < top_p <= 1 (1 disables).
         top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: in [0, 1]; keep the tokens whose probability (after temperature) is at least
+            ``min_p`` times the most likely token's (vLLM's ``min_p``); 0 disables. Greedy rows
+            ignore it.
         seed: seed of this request's draws (None: random); see `draw_seed`.
         stop: strings that end generation; the text is cut before the first match.
         stop_token_ids: extra token ids that end generation.
@@ -81,6 +84,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -106,6 +110,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:   # NaN fails too
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -294,17 +300,7 @@ def _sample_row(logits: torch.Tensor, row: SampleRow) -> int | SamplingError:
         if not bool(torch.isfinite(best)):
             return SamplingError("no token is left to pick after the logits processors")
         return int(token)
-    scores = scores / p.temperature
-    if p.top_k > 0 and p.top_k < scores.numel():
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        drop = cum - sorted_scores.softmax(-1) > p.top_p  # keep the token that crosses top_p
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = scores.softmax(-1)
+    probs = warp_logits(scores, p).softmax(-1)
     cdf = probs.cumsum(-1)
     total = float(cdf[-1])   # NaN or inf when any probability is (softmax's outputs are >= 0)
     if not math.isfinite(total) or total <= 0.0:
@@ -314,6 +310,27 @@ def _sample_row(logits: torch.Tensor, row: SampleRow) -> int | SamplingError:
         gen = gen if gen is not None else torch.Generator()
         gen.manual_seed(draw_seed(p.stream_seed, p.num_resumed + len(row.output_token_ids)))
     return draw(cdf, torch.rand(1, generator=gen) * total)
+
+
+def warp_logits(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """``[vocab]`` processed logits of a sampled (non-greedy) row divided by the temperature,
+    then filtered by min_p, top_k and top_p in vLLM's order (min_p is one of its argmax-invariant
+    processors, applied after the temperature and before top-k/top-p); a dropped token's entry
+    is -inf. A new tensor; ``scores`` is not modified."""
+    scores = scores / p.temperature
+    if p.min_p > 0.0:   # probability >= min_p * the top probability, compared in float32
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_k > 0 and p.top_k < scores.numel():
+        kth = torch.topk(scores, p.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum - sorted_scores.softmax(-1) > p.top_p  # keep the token that crosses top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    return scores
 
 
 def draw(cdf: torch.Tensor, u: torch.Tensor) -> int:

@@ -145,11 +145,12 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                             tools: Sequence[dict] | None = None, documents: Sequence[dict] | None = None,
-                            **kwargs) -> str:
+                            continue_final_message: bool = False, **kwargs) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) as transformers 5's
         ``apply_chat_template(..., tokenize=False)`` does (`engine.chat_template`). ``tools``: JSON
         schemas (OpenAI tool objects), passed as given (None: no tools; a list, even empty, picks
-        a "tool_use" template); ``kwargs``: extra template variables.
+        a "tool_use" template); ``continue_final_message``: end inside the last message (needs
+        ``add_generation_prompt`` False); ``kwargs``: extra template variables.
 
         Raises:
             ChatTemplateError (an InvalidRequestError): no template, or the template rejects or
@@ -157,7 +158,8 @@ class Tokenizer:
         """
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        return self._template.render(messages, add_generation_prompt, tools, documents, **kwargs)
+        return self._template.render(messages, add_generation_prompt, tools, documents, continue_final_message,
+                                     **kwargs)
 
     def detokenizer(self, stop: Sequence[str] = (), min_tokens: int = 0) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, stop, min_tokens)

@@ -42,9 +42,10 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.policy import make_policy
 from router.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_messages,
-                             check_lengths, check_unicode, default_max_tokens, effective_temperature, prompt_of,
-                             choice_counts, prompt_logprobs_k, requested_logprobs, requested_max_tokens, stop_strings, token_id_fields,
-                             validate_sampling, with_model_defaults)
+                             chat_template_args, check_lengths, check_unicode, choice_counts, default_max_tokens,
+                             effective_temperature, prompt_logprobs_k, prompt_of, requested_logprobs,
+                             requested_max_tokens, stop_strings, token_id_fields, validate_sampling,
+                             with_model_defaults)
 from router.request import Delta, GenerationRequest
 from router.response_bodies import Output, Shape, collect, error_body, router_error_body, stream
 from router.serving import healthy
@@ -107,8 +108,9 @@ def create_app(state: RouterState) -> FastAPI:
             raise InvalidRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
             messages = chat_messages(body.messages)
+            args = chat_template_args(body)
             try:
-                text = await asyncio.to_thread(tk.apply_chat_template, messages, body.add_generation_prompt)
+                text = await asyncio.to_thread(tk.apply_chat_template, messages, **args)
             except InvalidRequestError as exc:
                 raise InvalidRequest(str(exc), param="messages") from exc
         else:
@@ -213,7 +215,7 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
         offered = ([{"type": "function", "function": f} for f in plan.offered]
                    if plan is not None and tk.template_has_tools else None)
         try:
-            text = await asyncio.to_thread(tk.apply_chat_template, messages, True, offered)
+            text = await asyncio.to_thread(tk.apply_chat_template, messages, tools=offered, **chat_template_args(body))
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         ids = await _encode(tk, text)
@@ -248,7 +250,7 @@ async def _prepare(state: RouterState, body, chat: bool) -> tuple[GenerationRequ
         request_id=rid, prompt_token_ids=tuple(ids), max_tokens=max_tokens,
         temperature=effective_temperature(body),
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k, seed=body.seed,
+        top_k=0 if body.top_k is None else body.top_k, min_p=body.min_p or 0.0, seed=body.seed,
         stop=stop_strings(body), ignore_eos=body.ignore_eos, stop_token_ids=stop_token_ids,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=logit_bias,

@@ -268,7 +268,7 @@ class Orchestrator:
         run = runs[0]
         r = run.req
         msg = pb.SamplingParams(max_tokens=remaining, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, stop_token_ids=sorted(run.stop_ids),
+                                top_k=r.top_k, min_p=r.min_p, stop_token_ids=sorted(run.stop_ids),
                                 ignore_eos=r.ignore_eos, presence_penalty=r.presence_penalty,
                                 frequency_penalty=r.frequency_penalty,
                                 repetition_penalty=r.repetition_penalty, logit_bias=dict(r.logit_bias),

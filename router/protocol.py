@@ -10,6 +10,7 @@ built in code.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,6 +25,11 @@ MAX_N = 16                           # choices (n, best_of) per request
 LOGIT_BIAS_LIMIT = 100.0             # OpenAI: bias values in [-100, 100]
 GREEDY_BELOW = 1e-5                  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# chat_template_kwargs may not name what the renderer sets itself (vLLM also refuses
+# chat_template and tokenize), the template helpers, or the renderer's own parameter ``self``.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+    "tokenize", "raise_exception", "strftime_now", "namespace", "self"})
 
 
 class _Lenient(BaseModel):
@@ -40,6 +46,7 @@ class _SamplingFields(_Lenient):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     stream: bool = False
@@ -91,23 +98,32 @@ class ChatMessage(_Lenient):
 
 
 class ChatRequest(_SamplingFields):
-    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``. vLLM's
+    template fields: ``add_generation_prompt`` (default true), ``continue_final_message`` (the
+    prompt ends inside the last message; needs ``add_generation_prompt`` false) and
+    ``chat_template_kwargs`` (extra template variables, `chat_template_args`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     echo: bool = False
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Lenient):
     """``POST /tokenize`` (vLLM's): ``prompt`` text, or chat ``messages`` rendered with the
-    template (``add_generation_prompt``); exactly one of them."""
+    template (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` as
+    on chat completions); exactly one of them."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -169,6 +185,32 @@ def check_unicode(text: str, param: str) -> None:
                              param=param) from exc
 
 
+def chat_template_args(req: ChatRequest | TokenizeRequest) -> dict[str, Any]:
+    """The keyword arguments of ``Tokenizer.apply_chat_template`` the request sets besides the
+    messages and tools: ``add_generation_prompt``, ``continue_final_message`` and the
+    ``chat_template_kwargs`` variables (vLLM's request fields).
+
+    Raises `InvalidRequest`: both flags set (``continue_final_message``), ``chat_template_kwargs``
+    not an object, naming a `RESERVED_TEMPLATE_VARIABLES` entry, or holding text that is not
+    valid Unicode (``chat_template_kwargs``)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true "
+                             "(set add_generation_prompt to false)", param="continue_final_message")
+    extra = req.chat_template_kwargs or {}
+    if not isinstance(extra, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & extra.keys())
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    try:
+        json.dumps(extra, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"chat_template_kwargs is not valid Unicode: {exc.reason}",
+                             param="chat_template_kwargs") from exc
+    return {"add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message, **extra}
+
+
 def validate_sampling(req: _SamplingFields) -> None:
     """Range checks shared by both endpoints. Raises `InvalidRequest` naming the field.
 
@@ -183,6 +225,8 @@ def validate_sampling(req: _SamplingFields) -> None:
         raise InvalidRequest(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
     if req.top_k is not None and not -1 <= req.top_k <= MAX_TOP_K:
         raise InvalidRequest(f"top_k must be -1, 0 or in [1, {MAX_TOP_K}], got {req.top_k}", param="top_k")
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise InvalidRequest(f"min_p must be in [0, 1], got {req.min_p}", param="min_p")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidRequest(f"seed must be in [0, 2**63), got {req.seed}", param="seed")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -216,6 +260,8 @@ def validate_sampling(req: _SamplingFields) -> None:
                                  param="logprobs")
         if req.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
+    if isinstance(req, ChatRequest):
+        chat_template_args(req)
     if isinstance(req, ChatRequest) and req.echo:
         raise InvalidRequest("echo is not supported on chat completions", param="echo")
     if isinstance(req, ChatRequest) and req.top_logprobs is not None:
@@ -305,8 +351,8 @@ def stop_strings(req: _SamplingFields) -> tuple[str, ...]:
 def with_model_defaults(req: _SamplingFields, defaults) -> _SamplingFields:
     """The request with the model's defaults (``defaults``: an `engine.generation_config.GenerationDefaults`,
     from ``generation_config.json``) in the sampling fields it leaves unset, as vLLM's
-    ``--generation-config auto`` applies them: temperature, top_p, top_k, repetition_penalty. A field
-    the request sets wins. min_p is not served, so not applied; max_tokens: `default_max_tokens`."""
+    ``--generation-config auto`` applies them: temperature, top_p, top_k, min_p, repetition_penalty.
+    A field the request sets wins; max_tokens: `default_max_tokens`."""
     unset = {name: value for name, value in defaults.sampling().items()
              if name in type(req).model_fields and getattr(req, name) is None}
     return req.model_copy(update=unset) if unset else req

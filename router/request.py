@@ -27,6 +27,7 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

@@ -4,4 +4,4 @@
 (`engine.config.compatibility_hash`); bump it on any incompatible change to the .proto.
 """
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7

@@ -11,7 +11,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=int(msg.max_tokens), temperature=float(msg.temperature),
         top_p=float(msg.top_p) if msg.top_p > 0 else 1.0, top_k=int(msg.top_k),
-        seed=int(msg.seed) if msg.HasField("seed") else None,
+        min_p=float(msg.min_p), seed=int(msg.seed) if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos),
         presence_penalty=float(msg.presence_penalty), frequency_penalty=float(msg.frequency_penalty),
         repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
@@ -24,7 +24,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                            top_k=p.top_k, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                            top_k=p.top_k, min_p=p.min_p, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
                             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                             repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
                             min_tokens=p.min_tokens, grammar=p.grammar, n=p.n, choice=p.choice, num_resumed=p.num_resumed)

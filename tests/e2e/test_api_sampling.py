@@ -187,6 +187,22 @@ def test_seeded_sampling_equals_the_single_process_engine(cluster, tokenizer, en
     assert len(texts) == 2
 
 
+def test_min_p_equals_the_engine(cluster, tokenizer, engine_run):
+    """min_p on the wire: a seeded, hot request with min_p gives the single-process engine's
+    tokens with min_p (first token on the prefill worker, the rest on the decode worker), which
+    differ from the same draws without it."""
+    from engine.sampling import SamplingParams
+
+    prompt_text = "Tell me a story about a dragon:"
+    prompt = tokenizer.encode(prompt_text)
+    plain = engine_run(prompt, SamplingParams(max_tokens=24, temperature=1.8, seed=7))
+    want = engine_run(prompt, SamplingParams(max_tokens=24, temperature=1.8, seed=7, min_p=0.1))
+    assert want.token_ids != plain.token_ids   # min_p changes this output
+    r = openai_client(cluster).completions.create(model=MODEL, prompt=prompt_text, max_tokens=24, temperature=1.8,
+                                                  seed=7, extra_body={"min_p": 0.1})
+    assert r.choices[0].text == want.text
+
+
 @pytest.mark.parametrize("controls", [
     {"repetition_penalty": 1.4},
     {"frequency_penalty": 1.5, "presence_penalty": 0.5},
@@ -315,6 +331,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3, "stream": True}, "best_of"),
     ("/tokenize", {"prompt": "hi", "messages": QUESTION}, "prompt"),
+    ("/v1/chat/completions", {"messages": QUESTION, "min_p": 1.5}, "min_p"),
     ("/detokenize", {"tokens": [10**7]}, "tokens"),
 ]
 

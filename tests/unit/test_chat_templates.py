@@ -232,3 +232,70 @@ def test_special_token_variables_read_strings_and_added_token_objects():
               "image_token": "<img>", "model_max_length": 8, "extra_special_tokens": {"audio_token": "<aud>"}}
     assert special_token_variables(config) == {"bos_token": "<s>", "eos_token": "</s>", "image_token": "<img>",
                                                "audio_token": "<aud>"}
+
+
+@pytest.mark.parametrize("family", sorted(SPECIALS))
+def test_continue_final_message_renders_as_transformers(saved, family):
+    """The prompt ends inside the last message (its trailing space trimmed or kept as the
+    template does), as transformers' ``continue_final_message`` renders it."""
+    ours, theirs = saved[family]
+    chat = _chat(family)
+    if chat[-1]["role"] != "assistant":
+        chat.append({"role": "assistant", "content": "The answer is "})
+    chats = [chat]
+    if family == "gemma3":   # list content: the last text part is continued
+        chats.append([{"role": "user", "content": "hello"}, {"role": "assistant", "content": [
+            {"type": "text", "text": "Sure. "}, {"type": "text", "text": "It is"}]}])
+    for messages in chats:
+        want = theirs.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+        assert ours.apply_chat_template(messages, False, continue_final_message=True) == want
+    with pytest.raises(ChatTemplateError, match="cannot both"):
+        ours.apply_chat_template(chat, True, continue_final_message=True)
+
+
+def test_continue_final_message_needs_a_template_that_renders_it():
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ChatTemplateError, match="does not read"):
+        ChatTemplate({"default": "{% for m in messages %}{{ m.role }}{% endfor %}"}).render(
+            hi, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="drops the final message"):
+        ChatTemplate({"default": "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"}).render(
+            hi, continue_final_message=True)
+
+
+def test_the_router_renders_chat_with_the_requests_template_fields(saved, monkeypatch):
+    """Chat completions and /tokenize over HTTP: chat_template_kwargs reach the template (Qwen3's
+    enable_thinking false gives the empty think block), continue_final_message ends the prompt
+    inside the last message; each prompt equals transformers' rendering."""
+    from fastapi.testclient import TestClient
+
+    from router.api import build_state, create_app
+    from router.config import RouterConfig
+    from router.errors import NoWorkers
+    from router.membership import Membership
+
+    ours, theirs = saved["qwen3"]
+    rendered, real = [], ours.apply_chat_template
+    monkeypatch.setattr(ours, "apply_chat_template", lambda *a, **k: rendered.append(real(*a, **k)) or rendered[-1])
+    state = build_state(RouterConfig(wait_for_workers_s=0.0), ours, 4096, Membership(), "m")
+    prompts = []
+
+    def generate(req):
+        prompts.append(list(req.prompt_token_ids))
+        raise NoWorkers("none")
+    state.orchestrator.generate = generate
+    hi = [{"role": "user", "content": "hello"}]
+    partial = [*hi, {"role": "assistant", "content": "Sure: "}]
+    no_thinking = {"messages": hi, "chat_template_kwargs": {"enable_thinking": False}}
+    with TestClient(create_app(state)) as client:
+        assert client.post("/v1/chat/completions", json=no_thinking).status_code == 503
+        r = client.post("/v1/chat/completions", json={"messages": partial, "add_generation_prompt": False,
+                                                       "continue_final_message": True})
+        assert r.status_code == 503, r.text
+        r = client.post("/tokenize", json=no_thinking)
+        assert r.status_code == 200 and r.json()["tokens"] == prompts[0], r.text
+    want = theirs.apply_chat_template(hi, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert rendered[0] == rendered[2] == want and want.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompts[0] == ours.encode(want)
+    want = theirs.apply_chat_template(partial, continue_final_message=True, tokenize=False)
+    assert rendered[1] == want and want.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nSure: ")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampling import Row, SamplingError, SamplingParams, compute_logprobs, draw_seed, process_logits, sample
+from engine.sampling import (Row, SamplingError, SamplingParams, compute_logprobs, draw_seed, process_logits, sample,
+                             warp_logits)
 
 pytestmark = pytest.mark.unit
 
@@ -19,6 +20,9 @@ pytestmark = pytest.mark.unit
     ({"top_k": -2}, "top_k"),
     ({"seed": -1}, "seed"),
     ({"stop": tuple("abcdefghijklmnopq")}, "stop"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"),
 ])
 def test_invalid_params_raise(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
@@ -77,6 +81,48 @@ def test_top_p_keeps_only_the_nucleus():
     assert {sample(logits, _rows(p, gen=gen))[0] for _ in range(50)} == {0}
     p = SamplingParams(temperature=1.0, top_p=0.99)
     assert {sample(logits, _rows(p, gen=gen))[0] for _ in range(200)} == {0, 1}
+
+
+def test_min_p_drops_exactly_the_tokens_below_min_p_times_the_top_probability():
+    """vLLM's min_p: keep p_i >= min_p * max p, on the distribution after the temperature."""
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.126, 0.124, 0.05]))
+    kept = warp_logits(logits, SamplingParams(temperature=1.0, min_p=0.25)).isfinite().tolist()
+    assert kept == [True, True, True, False, False]          # threshold 0.125
+    flat = warp_logits(logits, SamplingParams(temperature=2.0, min_p=0.25))
+    assert flat.isfinite().all()   # at temperature 2 every p_i / p_max >= sqrt(0.05 / 0.5) > 0.25
+    assert torch.equal(warp_logits(logits, SamplingParams(temperature=1.0, min_p=0.0)), logits)
+    assert warp_logits(logits, SamplingParams(temperature=1.0, min_p=1.0)).isfinite().tolist() == [True] + [False] * 4
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(4096, generator=gen) * 3
+    probs = big.double().softmax(-1)
+    want = (probs >= 0.05 * probs.max()).tolist()
+    p = SamplingParams(temperature=1.0, min_p=0.05)
+    assert warp_logits(big, p).isfinite().tolist() == want and 1 < sum(want) < 4096
+    picks = {sample(big[None], _rows(p, gen=gen))[0] for _ in range(300)}
+    assert all(want[t] for t in picks) and len(picks) > 1
+
+
+def test_min_p_leaves_batch_mates_and_greedy_rows_alone():
+    """The same logits row for three requests: the min_p row picks only from its kept set, its
+    seeded batch-mate draws exactly what it draws beside a plain request (tokens min_p would drop
+    included), and a greedy row with min_p is the argmax."""
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(11)).expand(3, 1000).contiguous()
+    probs = logits[0].softmax(-1)
+    kept = set((probs >= 0.2 * probs.max()).nonzero()[:, 0].tolist())
+    mate_alone, mate_mixed, filtered = [], [], []
+    for seed in range(150):
+        mate = SamplingParams(temperature=1.0, seed=seed)
+        picky = SamplingParams(temperature=1.0, seed=seed + 1000, min_p=0.2)
+        greedy = SamplingParams(temperature=0.0, min_p=0.9)
+        alone = sample(logits, _rows([mate, SamplingParams(temperature=1.0, seed=seed + 1000), greedy]))
+        mixed = sample(logits, _rows([mate, picky, greedy]))
+        mate_alone.append(alone[0])
+        mate_mixed.append(mixed[0])
+        filtered.append(mixed[1])
+        assert alone[2] == mixed[2] == int(logits[0].argmax())
+    assert mate_alone == mate_mixed
+    assert set(filtered) <= kept and len(set(filtered)) > 1
+    assert any(t not in kept for t in mate_mixed)   # the batch-mate still draws outside min_p's set
 
 
 def test_temperature_sampling_follows_the_distribution():

@@ -77,7 +77,8 @@ def test_a_file_that_is_not_json_fails_the_load(tmp_path):
 def test_the_models_defaults_fill_only_the_fields_a_request_leaves_unset():
     defaults = GenerationDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.1, repetition_penalty=1.05)
     req = with_model_defaults(ChatRequest(messages=[{"role": "user", "content": "hi"}], top_p=0.5), defaults)
-    assert (req.temperature, req.top_p, req.top_k, req.repetition_penalty) == (0.6, 0.5, 20, 1.05)
+    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.repetition_penalty) == (0.6, 0.5, 20, 0.1, 1.05)
+    assert with_model_defaults(CompletionRequest(prompt="hi", min_p=0.0), defaults).min_p == 0.0   # set: wins
     assert effective_temperature(req) == 0.6
     greedy = with_model_defaults(CompletionRequest(prompt="hi", temperature=0, top_k=-1), defaults)
     assert (greedy.temperature, greedy.top_k, greedy.top_p) == (0, -1, 0.95)
@@ -102,7 +103,7 @@ def test_the_router_applies_the_defaults_and_a_template_refusal_is_a_400(tmp_pat
     from router.errors import NoWorkers
     from router.membership import Membership
 
-    directory = _hf_dir(tmp_path, {**QWEN3, "eos_token_id": 3, "max_new_tokens": 20})
+    directory = _hf_dir(tmp_path, {**QWEN3, "eos_token_id": 3, "max_new_tokens": 20, "min_p": 0.05})
     config = {"eos_token": "<|im_end|>", "chat_template": "{% if messages[0].role != 'user' %}"
               "{{ raise_exception('user first') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
@@ -114,12 +115,17 @@ def test_the_router_applies_the_defaults_and_a_template_refusal_is_a_400(tmp_pat
         raise NoWorkers("none")
     state.orchestrator.generate = generate
     with TestClient(create_app(state)) as client:
-        for body in ({}, {"temperature": 1.0, "top_k": 0, "max_tokens": 5}):
+        for body in ({}, {"temperature": 1.0, "top_k": 0, "max_tokens": 5, "min_p": 0.3}, {"min_p": 0}):
             r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a a"}], **body})
             assert r.status_code == 503, r.text
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "a"}]})
         assert r.status_code == 400 and "user first" in r.json()["error"]["message"], r.text
-    default, explicit = seen
-    assert (default.temperature, default.top_p, default.top_k, default.max_tokens) == (0.6, 0.95, 20, 20)
-    assert (explicit.temperature, explicit.top_p, explicit.top_k, explicit.max_tokens) == (1.0, 0.95, 0, 5)
+    default, explicit, no_min_p = seen
+    assert (default.temperature, default.top_p, default.top_k, default.min_p, default.max_tokens) == (0.6, 0.95, 20, 0.05, 20)
+    assert (explicit.temperature, explicit.top_p, explicit.top_k, explicit.min_p, explicit.max_tokens) == (1.0, 0.95, 0, 0.3, 5)
+    assert no_min_p.min_p == 0.0
+    from router.orchestrator import _Run
+
+    wire = state.orchestrator._sampling([_Run(default, None, frozenset())], 20)
+    assert abs(wire.min_p - 0.05) < 1e-6   # the SamplingParams message the workers receive
     assert state.tokenizer.stop_token_ids == frozenset({2, 3})

@@ -118,6 +118,18 @@ def test_malformed_json_is_400(client):
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "stop": "x" * 1025}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": -0.1}, "min_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"enable_thinking": False, "messages": []}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message"),   # add_generation_prompt defaults to true
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": None}},
+     "chat_template_kwargs"),
 ])
 def test_bad_requests_are_400(client, path, body, param):
     assert_error(client.post(path, json=body), 400, param=param)
@@ -131,6 +143,9 @@ def test_bad_requests_are_400(client, path, body, param):
     ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud83d"]}', "stop"),
     ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
     ("/v1/completions", '{"prompt": "hi", "top_p": Infinity}', "top_p"),
+    ("/v1/completions", '{"prompt": "hi", "min_p": NaN}', "min_p"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": "\\ud800"}}',
+     "chat_template_kwargs"),
 ])
 def test_invalid_unicode_and_non_finite_numbers_are_400(client, path, raw, param):
     r = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})

@@ -53,8 +53,9 @@ def test_cli_flags_mirror_fields(monkeypatch):
 
 
 def test_sampling_round_trip_and_validation():
-    p = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, seed=3, stop_token_ids=(2,))
+    p = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, min_p=0.25, seed=3, stop_token_ids=(2,))
     back = sampling_from_proto(sampling_to_proto(p))
+    assert back.min_p == 0.25 and sampling_from_proto(pb.SamplingParams(max_tokens=1)).min_p == 0.0
     assert back.max_tokens == 7 and back.top_k == 20 and back.seed == 3 and back.stop_token_ids == (2,)
     assert abs(back.temperature - 0.5) < 1e-6 and abs(back.top_p - 0.9) < 1e-6
     assert sampling_from_proto(pb.SamplingParams(max_tokens=1)).seed is None
