@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from engine.config import ModelConfig, RopeScaling
 from engine.errors import ModelLoadError
 from engine.modelfile import gguf_field
@@ -95,6 +97,12 @@ class _Meta:
     def get(self, key: str, default=None):
         return gguf_field(self.reader, f"{self.arch}.{key}", default)
 
+    def real(self, key: str, default=None) -> float | None:
+        """A float32 key as the shortest decimal that rounds to it (GGUF stores float32: 1e-5
+        reads back as 9.99999975e-06; this gives 1e-05, the value the converter was given)."""
+        value = self.get(key, default)
+        return None if value is None else float(str(np.float32(value)))
+
     def need(self, key: str):
         value = self.get(key)
         if value is None:
@@ -158,12 +166,12 @@ def model_config_from_gguf(reader, path: Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(meta.get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rope_theta=float(meta.get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.need("attention.layer_norm_rms_epsilon")),
+        rope_theta=meta.real("rope.freq_base", 10000.0),
+        rms_norm_eps=meta.real("attention.layer_norm_rms_epsilon", meta.need("attention.layer_norm_rms_epsilon")),
         max_position=context,
         tie_word_embeddings="output.weight" not in names,
         architecture=fam.moe_model_type if moe else fam.model_type,
-        rope_scaling=_rope_scaling(meta),
+        rope_scaling=_rope_scaling(meta, context),
         rotary_dim=0 if rotary == head_dim else rotary,
         sliding_window=_window(meta, fam, context),
         qkv_bias=fam.qkv_bias or "blk.0.attn_q.bias" in names,
@@ -173,7 +181,7 @@ def model_config_from_gguf(reader, path: Path) -> ModelConfig:
     )
 
 
-def _rope_scaling(meta: _Meta) -> RopeScaling | None:
+def _rope_scaling(meta: _Meta, context: int) -> RopeScaling | None:
     """``rope.scaling.*`` (``TextModel.set_gguf_parameters``): "linear" (``factor``) and "yarn"
     (``factor``, ``original_context_length``, ``yarn_beta_fast`` / ``yarn_beta_slow``,
     ``yarn_attn_factor`` as the Hugging Face ``attention_factor``). Llama 3's scaling is not
@@ -183,12 +191,13 @@ def _rope_scaling(meta: _Meta) -> RopeScaling | None:
         return None
     if kind not in ("linear", "yarn"):
         raise _refuse(meta.path, f"{meta.arch}.rope.scaling.type", kind, "is not supported; supported: none, linear, yarn")
-    factor = float(meta.need("rope.scaling.factor"))
-    if kind == "linear":
-        return RopeScaling("linear", factor=factor)
+    factor = meta.real("rope.scaling.factor", meta.need("rope.scaling.factor"))
+    if kind == "linear":   # the pre-training context, unused by linear (as the Hugging Face path sets it)
+        return RopeScaling("linear", factor=factor,
+                           original_max_position=int(meta.get("rope.scaling.original_context_length", context)))
     return RopeScaling("yarn", factor=factor, original_max_position=int(meta.need("rope.scaling.original_context_length")),
-                       beta_fast=meta.get("rope.scaling.yarn_beta_fast"), beta_slow=meta.get("rope.scaling.yarn_beta_slow"),
-                       attention_factor=meta.get("rope.scaling.yarn_attn_factor"))
+                       beta_fast=meta.real("rope.scaling.yarn_beta_fast"), beta_slow=meta.real("rope.scaling.yarn_beta_slow"),
+                       attention_factor=meta.real("rope.scaling.yarn_attn_factor"))
 
 
 def _window(meta: _Meta, fam: GGUFFamily, context: int) -> int | None:
