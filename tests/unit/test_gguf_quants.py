@@ -1,0 +1,67 @@
+"""GGUF K-quants and Q8_0 as the GGUF loader reads them (`engine.gguf_weights`): each tensor of a
+written file decodes to what the ``gguf`` package (llama.cpp's Python reference) dequantizes
+from the same blocks; in native mode Q4_K stays 4-bit (its decoding against gguf's:
+tests/unit/test_engine_quant.py) and the other types are dequantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.gguf_weights import _GGUFTensors
+from engine.modelfile import gguf_reader
+from engine.quant import Int4Weight
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+# type -> byte offsets of its float16 scales in a block (ggml-common.h: block_q4_K d, dmin;
+# block_q5_K d, dmin; block_q6_K d after ql[128], qh[64], scales[16]; block_q8_0 d)
+SCALES = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,)}
+
+
+def _random_blocks(kind, rows: int, cols: int, seed: int) -> np.ndarray:
+    """``[rows, bytes_per_row]`` uint8: random codes, finite random float16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for at in SCALES[kind]:
+        scale = rng.uniform(0.001, 0.02, size=data.shape[:2]).astype(np.float16)
+        data[..., at:at + 2] = scale[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def quantized_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("quants") / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    blocks = {}
+    for i, kind in enumerate(SCALES):
+        blocks[kind.name] = _random_blocks(kind, 16, 512, seed=i)
+        w.add_tensor(f"{kind.name}.weight", blocks[kind.name], raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, blocks
+
+
+@pytest.mark.parametrize("kind", list(SCALES), ids=lambda k: k.name)
+def test_the_loader_dequantizes_like_the_gguf_package(quantized_file, kind):
+    path, blocks = quantized_file
+    got = _GGUFTensors(gguf_reader(path), path, native=False).take(f"{kind.name}.weight", native=True)
+    want = gguf.quants.dequantize(blocks[kind.name], kind)
+    assert got.shape == (16, 512) and np.isfinite(want).all()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", list(SCALES), ids=lambda k: k.name)
+def test_native_mode_keeps_q4_k_and_dequantizes_the_rest(quantized_file, kind):
+    path, blocks = quantized_file
+    got = _GGUFTensors(gguf_reader(path), path, native=True).take(f"{kind.name}.weight", native=True)
+    want = gguf.quants.dequantize(blocks[kind.name], kind)
+    if kind == T.Q4_K:
+        assert isinstance(got, Int4Weight)
+        np.testing.assert_allclose(got.dequantize().numpy(), want, rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(got, want)
