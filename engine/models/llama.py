@@ -23,7 +23,7 @@ from engine.kv_cache import KVPool
 from engine.linear import Linear, gemv_copy_pays, resolve_backend
 from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
-from engine.models.rope import rope_tables
+from engine.models.rope import RotaryEmbedding
 from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
 from engine.weights import LlamaWeights
 
@@ -91,7 +91,7 @@ class LlamaModel:
             self._choose_low_bit_rows(max_int4_rows, max_int8_head_rows)
         self.gemv_copies = self._keep_gemv_copies_if_faster()
         self.device = weights.embed.device
-        self._cos, self._sin = (t.to(self.device) for t in rope_tables(config, self.dtype))
+        self._rope = RotaryEmbedding(config, self.dtype, self.device)
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -119,8 +119,7 @@ class LlamaModel:
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         h = self._embed.index_select(0, batch.input_ids)
-        cos = self._cos.index_select(0, batch.positions)[:, None, :]
-        sin = self._sin.index_select(0, batch.positions)[:, None, :]
+        cos, sin = self._rope.cos_sin(batch)
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads
