@@ -3,9 +3,9 @@ the ``cos`` / ``sin`` tables the model indexes by position.
 
 Formulas: Hugging Face ``transformers/modeling_rope_utils.py`` (the reference the engine's output
 is compared with), which cite their sources: linear interpolation (kaiokendev), Llama 3's
-wavelength-banded scaling (Meta's ``llama3`` reference code) and YaRN (Peng et al. 2023,
-arXiv:2309.00071, section 3.2-3.4), dynamic NTK (/u/bloc97 and /u/emozilla) and LongRoPE
-(Ding et al. 2024, arXiv:2402.13753, as Phi-3 uses it).
+wavelength-banded scaling (Meta's ``llama3`` reference code), YaRN (Peng et al. 2023,
+arXiv:2309.00071, section 3.2-3.4), dynamic NTK (Reddit's /u/bloc97 and /u/emozilla) and
+LongRoPE (Microsoft's implementation, as Phi-3 uses it).
 
 Most types depend on the position alone: one table, looked up by position. ``dynamic`` and
 ``longrope`` also depend on the sequence's length when the forward pass runs (transformers'
@@ -162,9 +162,16 @@ class RotaryEmbedding:
     depend on how it was chunked (as they do in transformers), and a prefix cache that reuses
     another sequence's K reuses that sequence's rotation.
 
+    transformers' ``dynamic`` is stateful across calls (it keeps the frequencies of the longest
+    length seen until a call within the original context resets them); for one sequence, whose
+    passes only grow, that is the frequencies of the current length, which is what is computed
+    here, statelessly.
+
     Tables: ``longrope`` keeps two (short, long) of ``max_position`` rows and picks one per
-    sequence; ``dynamic`` keeps the unscaled one (``original_max_position`` rows) for sequences
-    within the original context and computes the rows of longer ones for their length.
+    sequence (one index shift per pass); ``dynamic`` keeps the unscaled one
+    (``original_max_position`` rows) for sequences within the original context and computes the
+    rows of each longer one for its length (once per pass and sequence, not per layer).
+    Position-only types cost what one table lookup costs.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):

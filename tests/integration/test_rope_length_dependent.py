@@ -25,6 +25,7 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool
 from engine.loader import load_model
+from engine.tokenizer import Tokenizer
 from tests.integration import test_model_families as families
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
@@ -141,6 +142,15 @@ def test_chunked_logits_and_greedy_tokens_equal_transformers_fed_the_same_chunks
     err = (logits - want_logits).abs().max().item()
     assert err < 1e-4, f"{name}: logits differ by {err}"
     assert tokens == want_tokens
+
+
+def test_the_router_and_the_engine_serve_one_context(checkpoint):
+    """dynamic serves ``factor * max_position_embeddings`` (512 here), longrope
+    ``max_position_embeddings``; the tokenizer's context (what the router checks requests
+    against) says the same as the model's."""
+    name, path, _ = checkpoint
+    context = load_model(path, weights="fp32").config.max_position
+    assert context == 512 and Tokenizer.from_file(path).context_length == context
 
 
 def _one_percent_off(name: str) -> list[dict]:
