@@ -36,7 +36,7 @@ def kv_cache_dtype(weights: str) -> str:
     return KV_CACHE_DTYPES[weights]
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 """Rotary scalings the engine implements (Hugging Face ``rope_type`` names; formulas in
 `engine.models.rope`)."""
 
@@ -48,11 +48,16 @@ class RopeScaling:
 
     Fields:
         rope_type: one of `ROPE_TYPES` other than "default".
-        factor: context extension factor (linear: positions divided by it).
-        original_max_position: the pre-training context, tokens (llama3, yarn).
+        factor: context extension factor (linear: positions divided by it; longrope: the
+            checkpoint's ``factor``, else ``max_position_embeddings / original``).
+        original_max_position: the pre-training context, tokens (llama3, yarn, longrope; dynamic:
+            ``max_position_embeddings``, the length past which it rescales).
         low_freq_factor, high_freq_factor: llama3's wavelength bounds.
         beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate: YaRN's
-            (attention_factor None: derived from ``factor`` and the mscales).
+            (attention_factor None: derived from ``factor`` and the mscales; longrope's from
+            ``factor`` and ``original_max_position``).
+        short_factor, long_factor: longrope's per-frequency divisors (``rotary_dim // 2`` each,
+            checked by `ModelConfig`), for sequences up to / past ``original_max_position``.
     """
 
     rope_type: str
@@ -66,6 +71,8 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES or self.rope_type == "default":
@@ -73,6 +80,16 @@ class RopeScaling:
                                  f"{', '.join(ROPE_TYPES)}")
         if not self.factor > 0:
             raise ModelLoadError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type in ("dynamic", "longrope") and not (self.original_max_position or 0) > 0:
+            raise ModelLoadError(f"{self.rope_type} needs original_max_position_embeddings > 0, "
+                                 f"got {self.original_max_position}")
+        if self.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                values = getattr(self, name)
+                if values is None:
+                    raise ModelLoadError(f"longrope needs {name} (a list of numbers)")
+                if not all(v > 0 for v in values):
+                    raise ModelLoadError(f"longrope {name} must be > 0 throughout, got {list(values)}")
 
 
 HIDDEN_ACTS = ("silu", "gelu_tanh")
@@ -185,6 +202,12 @@ class ModelConfig:
         if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             raise ModelLoadError(f"model config: rotary_dim={self.rotary_dim} must be even and within "
                                  f"head_dim={self.head_dim}")
+        s, half = self.rope_scaling, (self.rotary_dim or self.head_dim) // 2
+        for name in ("short_factor", "long_factor"):
+            values = getattr(s, name, None)
+            if values is not None and len(values) != half:
+                raise ModelLoadError(f"model config: rope {name} has {len(values)} values, rotary dimensions / 2 "
+                                     f"= {half}")
         if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelLoadError(f"model config: num_experts_per_tok={self.num_experts_per_tok} must be in "
                                  f"1..num_experts={self.num_experts}")

@@ -215,6 +215,18 @@ def _from_gguf(path: Path) -> Tokenizer:
     )
 
 
+def _hf_context(hf: dict) -> int | None:
+    """A ``config.json``'s context in tokens: ``max_position_embeddings``, times the rope factor
+    for ``dynamic`` scaling, as the engine serves it (`engine.models.hf_config._context`; read here
+    without importing torch)."""
+    context = hf.get("max_position_embeddings")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if context and kind == "dynamic" and "factor" in rope:
+        return int(int(context) * float(rope["factor"]))
+    return context
+
+
 def _int_or_none(value) -> int | None:
     return int(value) if value else None
 
@@ -252,8 +264,7 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     named = load_hf_templates(path, config)
     template = named.get(DEFAULT) if set(named) == {DEFAULT} else (named or None)
     model_config = path / "config.json"
-    context = (json.loads(model_config.read_text()).get("max_position_embeddings")
-               if model_config.exists() else None)
+    context = _hf_context(json.loads(model_config.read_text())) if model_config.exists() else None
     defaults = load_generation_config(path)
     out_of_vocab = [t for t in defaults.eos_token_ids if t >= backend.get_vocab_size(with_added_tokens=True)]
     if out_of_vocab:

@@ -6,6 +6,12 @@ Both spellings transformers has written are read: transformers 4 puts ``rope_the
 as Phi-3 has it, wins). Anything the engine does not implement is a `ModelLoadError` naming the
 field and its value: a rope type, an attention kind, an activation, a bias, a
 ``quantization_config``. Nothing is silently dropped.
+
+Two rope types change the context the engine serves (`ModelConfig.max_position`), as vLLM's
+``_get_and_verify_max_len`` does: ``dynamic`` rescales past ``max_position_embeddings``, so the
+context is that times ``factor`` (otherwise the scaling never applies); ``longrope`` already
+gives the long context as ``max_position_embeddings`` (Phi-3's ``original_max_position_embeddings``
+is the short one).
 """
 
 from __future__ import annotations
@@ -40,7 +46,12 @@ PARTIAL_ROTARY = {"phi3"}
 _ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
     "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate",
+    "short_factor", "long_factor",
 }
+
+ROPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+"""Older rope type names, per family, read as transformers' config classes read them
+(``Phi3Config``: "su" and "yarn" are longrope)."""
 
 
 def _refuse(where: str, field: str, value, why: str = "is not supported") -> ModelLoadError:
@@ -63,6 +74,7 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None, float
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = ROPE_ALIASES.get(hf.get("model_type"), {}).get(rope_type, rope_type)
     if rope_type not in ROPE_TYPES:
         raise _refuse(where, "rope_type", rope_type, f"is not supported; supported: {', '.join(ROPE_TYPES)}")
     unknown = set(params) - _ROPE_KEYS
@@ -73,19 +85,49 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None, float
         return float(theta), None, partial
     original = hf.get("original_max_position_embeddings",
                       params.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    factor = params.get("factor", 1.0)
+    if rope_type == "dynamic":   # transformers rescales past max_position_embeddings, whatever else is set
+        original = hf.get("max_position_embeddings", 2048)
+        if "factor" not in params:
+            raise _refuse(where, "rope_parameters", params, "(dynamic) lacks factor")
+    elif rope_type == "longrope" and "factor" not in params and original:
+        factor = int(hf.get("max_position_embeddings", 2048)) / int(original)
+    short, long = _numbers(params, "short_factor", where), _numbers(params, "long_factor", where)
     try:
         scaling = RopeScaling(
-            rope_type=rope_type, factor=float(params.get("factor", 1.0)),
+            rope_type=rope_type, factor=float(factor),
             original_max_position=int(original) if original is not None else None,
             low_freq_factor=params.get("low_freq_factor"), high_freq_factor=params.get("high_freq_factor"),
             beta_fast=params.get("beta_fast"), beta_slow=params.get("beta_slow"),
             attention_factor=params.get("attention_factor"), mscale=params.get("mscale"),
-            mscale_all_dim=params.get("mscale_all_dim"), truncate=bool(params.get("truncate", True)))
+            mscale_all_dim=params.get("mscale_all_dim"), truncate=bool(params.get("truncate", True)),
+            short_factor=short, long_factor=long)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{where}: rope_type={rope_type!r}: {exc}") from None
     if rope_type == "llama3" and (scaling.low_freq_factor is None or scaling.high_freq_factor is None):
         raise _refuse(where, "rope_parameters", params, "(llama3) lacks low_freq_factor / high_freq_factor")
     return float(theta), scaling, partial
+
+
+def _numbers(params: dict, key: str, where: str) -> tuple[float, ...] | None:
+    """``params[key]`` as a tuple of floats (None when absent); anything but a list of numbers is
+    refused by name."""
+    values = params.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise _refuse(where, key, values, "must be a list of numbers")
+    return tuple(float(v) for v in values)
+
+
+def _context(hf: dict, scaling: RopeScaling | None) -> int:
+    """`ModelConfig.max_position`: ``max_position_embeddings``, times ``factor`` for ``dynamic``
+    (module docstring)."""
+    context = int(hf.get("max_position_embeddings", 2048))
+    if scaling is not None and scaling.rope_type == "dynamic":
+        return int(context * scaling.factor)
+    return context
 
 
 def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
@@ -133,7 +175,7 @@ def model_config_from_hf(hf: dict, name: str, where: str) -> ModelConfig:
             head_dim=head_dim,
             rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position=int(hf.get("max_position_embeddings", 2048)),
+            max_position=_context(hf, scaling),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMA)),
             architecture=model_type,
             rope_scaling=scaling,

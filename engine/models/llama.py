@@ -28,7 +28,7 @@ from engine.kv_cache import KVPool
 from engine.linear import Linear, gemv_copy_pays, resolve_backend
 from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
-from engine.models.rope import rope_tables
+from engine.models.rope import RotaryEmbedding
 from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
 from engine.weights import LlamaWeights
 
@@ -99,11 +99,11 @@ class LlamaModel:
             self._choose_low_bit_rows(max_int4_rows, max_int8_head_rows)
         self.gemv_copies = self._keep_gemv_copies_if_faster()
         self.device = weights.embed.device
-        # one table per distinct rope (Gemma 3's sliding layers have their own base), and per layer its index
+        # one rotary embedding per distinct rope (Gemma 3's sliding layers have their own base), and per layer its index
         ropes = [config]
         if config.local_rope_theta is not None:
             ropes.append(dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))
-        self._ropes = [tuple(t.to(self.device) for t in rope_tables(r, self.dtype)) for r in ropes]
+        self._ropes = [RotaryEmbedding(r, self.dtype, self.device) for r in ropes]
         self._layer_rope = [1 if len(ropes) > 1 and w is not None else 0 for w in self._windows]
         self._embed_scale = (None if config.embedding_multiplier is None
                              else torch.tensor(config.embedding_multiplier, dtype=self.dtype, device=self.device))
@@ -136,8 +136,7 @@ class LlamaModel:
         h = self._embed.index_select(0, batch.input_ids)
         if self._embed_scale is not None:   # Gemma: times sqrt(hidden) rounded to the weights' dtype
             h = h * self._embed_scale
-        tables = [(cos.index_select(0, batch.positions)[:, None, :], sin.index_select(0, batch.positions)[:, None, :])
-                  for cos, sin in self._ropes]
+        tables = [rope.cos_sin(batch) for rope in self._ropes]
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads

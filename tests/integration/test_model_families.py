@@ -228,11 +228,12 @@ def test_a_1pct_rope_theta_change_is_caught(family, tmp_path):
 
 
 @pytest.mark.parametrize("changes, field", [
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "su", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8}}, "long_factor"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                          "long_factor": [2.0] * 8}}, "rope_type"),
+                          "long_factor": [2.0] * 7}}, "long_factor has 7 values"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "beta": 3}}, "rope_parameters"),
     ({"model_type": "gpt2"}, "model_type"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),

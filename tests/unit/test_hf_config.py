@@ -96,7 +96,8 @@ def test_gemma_reads_its_layer_and_both_rope_spellings():
      "rope_parameters.sliding_attention"),
     ({"model_type": "gemma2", "layer_types": ["sliding_attention"] * 4}, "sliding_window"),
     ({"model_type": "mistral", "sliding_window": 1024, "layer_types": ["chunked_attention"] * 4}, "layer_types"),
-    ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "su", "factor": 2.0}}, "rope_type='su'"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}}, "lacks factor"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"model_type": "llama", "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
@@ -114,3 +115,46 @@ def test_a_missing_required_field_is_named():
     hf = {k: v for k, v in BASE.items() if k != "intermediate_size"}
     with pytest.raises(ModelLoadError, match="'intermediate_size'"):
         model_config_from_hf({**hf, "model_type": "llama"}, "m", "config.json")
+
+
+PHI3 = {"model_type": "phi3", "partial_rotary_factor": 0.75, "max_position_embeddings": 512,
+        "original_max_position_embeddings": 128}
+SHORT, LONG = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [2.0, 2.0, 3.0, 3.0, 4.0, 4.0]   # rotary_dim 12 -> 6 each
+
+
+def test_dynamic_rescales_past_max_position_embeddings_and_widens_the_context():
+    """transformers' dynamic NTK rescales past ``max_position_embeddings`` (its "original"); the
+    engine serves ``factor`` times that (as vLLM does), else the scaling would never apply."""
+    old = read(model_type="llama", rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 4.0})
+    new = read(model_type="llama", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4})
+    assert old == new
+    assert new.rope_scaling == RopeScaling("dynamic", 4.0, original_max_position=4096)
+    assert new.max_position == 4 * 4096
+
+
+def test_longrope_reads_factors_and_derives_factor_from_the_two_contexts():
+    old = read(**PHI3, rope_theta=1e4, rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})
+    new = read(**PHI3, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": SHORT,
+                                        "long_factor": LONG, "original_max_position_embeddings": 128})
+    su = read(**PHI3, rope_theta=1e4, rope_scaling={"type": "su", "short_factor": SHORT, "long_factor": LONG})
+    assert old == new == su   # Phi3Config reads the older "su" as longrope
+    s = new.rope_scaling
+    assert (s.rope_type, s.factor, s.original_max_position) == ("longrope", 4.0, 128)
+    assert s.short_factor == tuple(SHORT) and s.long_factor == tuple(LONG)
+    assert new.max_position == 512   # longrope's long context is max_position_embeddings itself
+    given = read(**PHI3, rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                                       "factor": 8.0, "attention_factor": 1.2})
+    assert (given.rope_scaling.factor, given.rope_scaling.attention_factor) == (8.0, 1.2)
+
+
+@pytest.mark.parametrize("rope, named", [
+    ({"short_factor": SHORT}, "long_factor"),
+    ({"long_factor": LONG}, "short_factor"),
+    ({"short_factor": SHORT, "long_factor": LONG[:5]}, "long_factor has 5 values"),
+    ({"short_factor": SHORT + [1.0], "long_factor": LONG}, "short_factor has 7 values"),
+    ({"short_factor": SHORT, "long_factor": "2.0"}, "long_factor='2.0' must be a list"),
+    ({"short_factor": SHORT, "long_factor": [0.0] * 6}, "long_factor must be > 0"),
+])
+def test_longrope_without_its_factors_or_with_the_wrong_count_is_refused(rope, named):
+    with pytest.raises(ModelLoadError, match=named):
+        read(**PHI3, rope_scaling={"type": "longrope", **rope})
