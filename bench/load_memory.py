@@ -12,7 +12,10 @@ with ``--threads`` torch threads:
 
     pdserve-bf16 / -fp32        engine.loader.load_weights (weights only)
     pdserve-model-bf16 / -fp32  engine.loader.load_model, then a KV pool of ``--pool-blocks``
-    hf-bf16 / -fp32             transformers AutoModelForCausalLM.from_pretrained(dir, dtype=...)
+    hf-bf16 / -fp32             transformers AutoModelForCausalLM.from_pretrained(dir, dtype=...),
+                                then every parameter read once (transformers may keep bfloat16
+                                parameters as views of the mapped files, resident only when
+                                read; the peak before that read is in the JSON)
 
 Per row: load seconds, resident MB before loading (the interpreter and its imports), peak MB,
 the loaded weights' MB (parameters x the dtype's bytes), the pool's MB, and peak / (weights +
@@ -118,7 +121,7 @@ def child(row: str, path: Path, threads: int, pool_blocks: int) -> dict:
 
     torch.set_num_threads(threads)
     dtype = torch.float32 if row.endswith("fp32") else torch.bfloat16
-    pool_mb = 0.0
+    pool_mb, lazy_peak = 0.0, None
     if row.startswith("hf-"):
         import transformers
 
@@ -127,6 +130,10 @@ def child(row: str, path: Path, threads: int, pool_blocks: int) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         seconds = time.perf_counter() - t0
         params = sum(p.numel() for p in model.parameters())   # a tied head is counted once
+        lazy_peak = _status_mb("VmHWM")
+        with torch.no_grad():   # bf16 parameters may be views of the mapped files, read on first use
+            for p in model.parameters():
+                p.sum()
     elif row.startswith("pdserve-model-"):
         from engine.config import CacheConfig
         from engine.kv_cache import KVPool
@@ -149,7 +156,8 @@ def child(row: str, path: Path, threads: int, pool_blocks: int) -> dict:
         tensors = {t.data_ptr(): t for t in _tensors(weights)}
         params = sum(t.numel() for t in tensors.values())
     return {"row": row, "seconds": round(seconds, 2), "start_mb": round(start), "peak_mb": round(_status_mb("VmHWM")),
-            "params": params, "pool_mb": round(pool_mb), "bytes_per_param": dtype.itemsize}
+            "params": params, "pool_mb": round(pool_mb), "bytes_per_param": dtype.itemsize,
+            "untouched_peak_mb": lazy_peak and round(lazy_peak)}
 
 
 def _tensors(weights):

@@ -134,11 +134,22 @@ def release_freed_memory() -> None:
 
 
 def _to_device(w, dev: torch.device):
+    """``w`` on ``dev``, one tensor at a time: the host copy of a tensor is freed once the caller
+    drops ``w`` (no second host copy is made). Absent fields (None) stay absent."""
     from dataclasses import fields, replace
 
+    from engine.models.moe import ExpertWeights
     from engine.weights import LayerWeights
 
-    layers = [LayerWeights(**{f.name: getattr(l, f.name).to(dev) for f in fields(l)}) for l in w.layers]
+    def moved(value):
+        if value is None:
+            return None
+        if isinstance(value, ExpertWeights):
+            return ExpertWeights(router=value.router.to(dev), gate_up=[t.to(dev) for t in value.gate_up],
+                                 down=[t.to(dev) for t in value.down])
+        return value.to(dev)
+
+    layers = [LayerWeights(**{f.name: moved(getattr(l, f.name)) for f in fields(l)}) for l in w.layers]
     embed = w.embed.to(dev)
     lm_head = embed if w.lm_head is w.embed else w.lm_head.to(dev)
     return replace(w, embed=embed, layers=layers, final_norm=w.final_norm.to(dev), lm_head=lm_head)
