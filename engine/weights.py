@@ -8,6 +8,7 @@ the model's forward pass: ``wqkv`` is ``[(num_heads + 2 * num_kv_heads) * head_d
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,18 +58,77 @@ class LlamaWeights:
     lm_head: torch.Tensor
 
 
-def to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """``array`` copied into a new tensor of ``dtype`` (through float32)."""
-    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(dtype)
+class TensorSource(ABC):
+    """A checkpoint tensor not read yet: its shape is known, its values are copied on demand
+    straight into the tensor that keeps them (`stack_rows`), so that no full intermediate copy
+    (a float32 one, say) is ever made. ``shape`` is the logical shape, rows first."""
+
+    shape: tuple[int, ...]
+
+    @abstractmethod
+    def copy_into(self, out: torch.Tensor) -> None:
+        """Copy the values into ``out`` (same shape, any floating dtype: converted as
+        ``Tensor.copy_`` converts). Raises ModelLoadError when the file cannot be read."""
+
+    @abstractmethod
+    def rows(self, start: int, stop: int) -> "TensorSource":
+        """Rows ``start:stop`` (clipped to the row count, like a numpy slice) as a source."""
+
+
+Dense = np.ndarray | torch.Tensor | TensorSource
+"""A dense weight as the loaders hand it over: a numpy array (GGUF, dequantized), a torch tensor,
+or a `TensorSource` (a safetensors entry, read when placed)."""
+
+
+def stack_rows(parts: list[Dense], dtype: torch.dtype) -> torch.Tensor:
+    """``parts`` stacked along dim 0 into one new tensor of ``dtype``: allocated once, each part
+    converted straight into its rows (a bfloat16 part placed in bfloat16 is copied bit for bit,
+    with no float32 intermediate).
+
+    Args:
+        parts: arrays, tensors or `TensorSource` of shapes ``[rows_i, *rest]`` with one ``rest``.
+        dtype: the result's dtype (float32 or bfloat16).
+    Returns:
+        ``[sum(rows_i), *rest]`` tensor of ``dtype``, on the CPU, contiguous.
+    Raises:
+        ModelLoadError: the parts' trailing shapes differ.
+    """
+    shapes = [tuple(p.shape) for p in parts]
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        raise ModelLoadError(f"cannot stack weights of shapes {shapes}")
+    out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype)
+    row = 0
+    for part, shape in zip(parts, shapes):
+        _copy_into(out[row:row + shape[0]], part)
+        row += shape[0]
+    return out
+
+
+def _copy_into(out: torch.Tensor, part: Dense) -> None:
+    if isinstance(part, TensorSource):
+        part.copy_into(out)
+    elif isinstance(part, np.ndarray):
+        array = np.ascontiguousarray(part, dtype=np.float32)
+        out.copy_(torch.from_numpy(array if array.flags.writeable else array.copy()))
+    else:
+        out.copy_(part)
+
+
+def to_tensor(array: Dense, dtype: torch.dtype) -> torch.Tensor:
+    """``array`` (numpy array, tensor or `TensorSource`) copied into a new tensor of ``dtype``:
+    `stack_rows` of one part (a 0-d value is taken as is). Raises ModelLoadError as it does."""
+    if len(array.shape) == 0:
+        return torch.as_tensor(np.asarray(array, dtype=np.float32) if isinstance(array, np.ndarray)
+                               else array).to(dtype=dtype, copy=True)
+    return stack_rows([array], dtype)
 
 
 def _projection(parts: list, dtype: torch.dtype) -> Projection:
     """Row-stack projections: 4-bit when every part is (and the rows pack into the int4 kernel's
-    tiles of 16), else dense (a mixed layer dequantizes)."""
+    tiles of 16), else dense (a mixed layer dequantizes; `stack_rows`)."""
     if all(isinstance(p, Int4Weight) for p in parts) and sum(p.shape[0] for p in parts) % 16 == 0:
         return parts[0] if len(parts) == 1 else Int4Weight.cat(parts)
-    dense = [p.dequantize().numpy() if isinstance(p, Int4Weight) else p for p in parts]
-    return to_tensor(np.concatenate(dense, axis=0), dtype)
+    return stack_rows([p.dequantize() if isinstance(p, Int4Weight) else p for p in parts], dtype)
 
 
 def fuse_layer(cfg: ModelConfig, dtype: torch.dtype, **w) -> LayerWeights:
