@@ -34,6 +34,7 @@ from engine.ids import BlockId
 from engine.block_hash import block_hashes
 from engine.kv_cache import KVPool, blocks_needed
 from engine.models.base import CausalLM, LayerCallback
+from engine.models.rope import LENGTH_DEPENDENT
 from engine.sampling import (SampleRow, SamplingError, SamplingParams, TokenLogprobs, compute_logprobs,
                              prompt_logprobs_of, sample)
 
@@ -97,9 +98,17 @@ class ModelRunner:
         pool: the `KVPool`; the runner allocates from its allocator (shared with the caller,
             who may reserve blocks of its own, as the decode worker does).
         prefix_caching: take cached prefixes and register computed full blocks.
+    Raises:
+        ValueError: ``prefix_caching`` with a rope type whose rotation depends on the sequence's
+            length (`engine.models.rope.LENGTH_DEPENDENT`: a cached block's keys would carry the
+            rotation of the sequence that wrote them, not of the one reusing them).
     """
 
     def __init__(self, model: CausalLM, pool: KVPool, prefix_caching: bool = False):
+        scaling = model.config.rope_scaling
+        if prefix_caching and scaling is not None and scaling.rope_type in LENGTH_DEPENDENT:
+            raise ValueError(f"prefix caching cannot serve rope_type={scaling.rope_type!r}: its keys are rotated for "
+                             "the length of the sequence that wrote them; run without --prefix-caching")
         self.model = model
         self.pool = pool
         self.prefix_caching = prefix_caching

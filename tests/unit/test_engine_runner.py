@@ -4,13 +4,13 @@ passes, sampling rows, and the model/pool check (`engine.models.base.check_pool`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
 
 from engine.attention import SeqChunk
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig, RopeScaling
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVPool
 from engine.models.base import LayerKV, check_pool
@@ -29,9 +29,9 @@ TINY = ModelConfig(name="tiny", vocab_size=64, hidden_size=32, intermediate_size
                    max_position=128, tie_word_embeddings=True)
 
 
-def _model(seed: int = 0) -> LlamaModel:
+def _model(seed: int = 0, config: ModelConfig = TINY) -> LlamaModel:
     g = torch.Generator().manual_seed(seed)
-    c = TINY
+    c = config
 
     def w(*shape):   # scaled so attention is far from uniform (a wrong position changes the output)
         return torch.randn(*shape, generator=g) * 0.3
@@ -173,6 +173,15 @@ def test_fill_pass_closes_on_a_refusal_a_chunk_or_the_knee_and_fills_without_one
     assert run({"a": 10, "b": 20, "c": 5}, 64, refuse={"b"}) == [("a", 10)]   # nobody overtakes b
     assert run({"a": 150, "b": 5}, 64) == [("a", 100)]                          # chunked: the pass is full
     assert run({"a": 30, "b": 50, "c": 40}, None) == [("a", 30), ("b", 50), ("c", 20)]   # filled, c chunked
+
+
+def test_prefix_caching_refuses_a_rope_whose_rotation_depends_on_the_length(model):
+    long = _model(config=replace(TINY, rope_scaling=RopeScaling("dynamic", 2.0, 64)))
+    pool = KVPool(TINY, CacheConfig(block_size=BS, num_blocks=2))
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        ModelRunner(long, pool, prefix_caching=True)
+    assert not ModelRunner(long, pool).prefix_caching
+    assert _runner(model).prefix_caching   # default rope: fine
 
 
 def test_the_pool_must_fit_the_model_and_the_registry_names_its_families(model):
