@@ -6,9 +6,7 @@ weights and biases drawn too, so attention, positions and every norm matter, and
 SmolLM2 tokenizer. The engine loads the directory like any model (`engine.loader.load_model`)
 and must give transformers' logits within 1e-4 at every position of a 330-token prompt run in two
 chunks across block boundaries, and its 32 greedy tokens; served by a prefill and a decode
-worker over tcp, the richest families (Qwen3-MoE: Q/K norms, experts, a head_dim that is not
-hidden / heads; Gemma 3: windows and rope bases per layer; Gemma 2: soft-capping) give the same
-tokens.
+worker over tcp, each ``model_type``'s richest checkpoint gives the same tokens.
 `test_a_1pct_rope_theta_change_is_caught`
 shows each comparison can fail: the same checkpoint with ``rope_theta`` 1% off is far outside it.
 """
@@ -248,11 +246,11 @@ def test_what_the_engine_does_not_implement_is_refused_with_the_field_named(
         load_model(bad, weights="fp32")
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3",
+                                  "gemma2", "gemma3"])
 def test_served_disaggregated_over_tcp_equals_transformers(tmp_path, tokenizer_dir, name):
     """Prefill and decode workers (`--model DIR`, tcp) give transformers' greedy tokens; every
-    block returns to both pools. The richest families (the KV path is the same code for all of
-    them): experts and Q/K norms; per-layer windows and rope bases; soft-capping."""
+    block returns to both pools. One checkpoint per ``model_type``, the richest of each."""
     path = build_checkpoint(name, tmp_path / name, tokenizer_dir)
     _, want_tokens = hf_reference(path)
     flags = ("--model", str(path), "--weights", "fp32", "--transfer-engine", "tcp")
