@@ -28,11 +28,18 @@ pytestmark = pytest.mark.integration
 # the test_model_families checkpoints llama.cpp can write: "llama3" has its rope factors as a
 # rope_freqs tensor (refused below), "mistral-window" loses its window (the llama converter
 # writes no sliding_window key)
-GGUF_FAMILIES = ["llama", "llama-linear", "llama-yarn", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"]
+GGUF_FAMILIES = ["llama", "llama-linear", "llama-yarn", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+                 "gemma2", "gemma3"]
 # llama.cpp's converter cannot write Qwen3-MoE's dense mlp_only_layers (gguf-py's QWEN3MOE
 # tensors have no ffn_gate / ffn_up / ffn_down), so its GGUF checkpoint routes every layer
 _cls, _fields, _rope = FAMILIES["qwen3_moe"]
 SPECS = {"qwen3_moe": (_cls, {**_fields, "mlp_only_layers": []}, _rope)}
+# Gemma: the converter writes no query_pre_attn_scalar (llama.cpp scales by head_dim ** -0.5) and
+# no layer pattern (Gemma 3: every 6th layer global); Gemma2Model drops lm_head.weight (tied)
+for _name, _more in (("gemma2", {"tie_word_embeddings": True}),
+                     ("gemma3", {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})):
+    _cls, _fields, _rope = FAMILIES[_name]
+    SPECS[_name] = (_cls, {**_fields, "query_pre_attn_scalar": _fields["head_dim"], **_more}, _rope)
 Q8_0_QUANTIZED, Q8_0_TOLERANCE = 1e-2, 10.0
 """Bounds of the largest |logit difference| between a Q8_0 file and its float32 checkpoint:
 measured 3.9 (llama) and 5.9 (qwen3_moe) at the worst of 330 positions, median over positions
