@@ -18,8 +18,8 @@ as the Hugging Face path computes them); MoE layers ``ffn_gate_inp`` (router) an
 biases) so that llama.cpp's NORM rotary kernel can rotate adjacent pairs (``LlamaModel.permute``);
 we undo it, so rotary here uses the Hugging Face "rotate half" convention. The NEOX-rope
 families (qwen2, qwen3, qwen3moe, phi3) are written as Hugging Face stores them. A tensor the
-model does not use (``rope_freqs``: Llama 3 rope factors; ``rope_factors_long``: Phi-3 LongRoPE;
-anything else) is refused.
+model does not use (``rope_factors_long``: Phi-3 LongRoPE; anything else) is refused; Llama 3's
+``rope_freqs`` is read into the config's llama3 scaling (`engine.models.gguf_config`).
 
 Quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, ...) are dequantized with the ``gguf``
 package (`gguf.quants.dequantize`), except with ``native=True``: then attention and dense MLP
@@ -174,8 +174,8 @@ def load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[Mod
     _, fam = family_of(reader, path)
     cfg = model_config_from_gguf(reader, path)
     t = _GGUFTensors(reader, path, native)
-    if "rope_freqs.weight" in t:
-        raise ModelLoadError(f"{path}: tensor rope_freqs.weight (Llama 3 rope scaling factors) is not supported")
+    if "rope_freqs.weight" in t:   # Llama 3's scaling, read into cfg.rope_scaling (gguf_config._llama3)
+        t.take("rope_freqs.weight")
     def norm(name: str) -> torch.Tensor:
         """A norm weight; Gemma's (``+ 1`` already stored by the converter) kept in float32."""
         return to_tensor(t.take(name), torch.float32 if cfg.norm_offset else dtype)

@@ -14,6 +14,7 @@ weights loader (`engine.gguf_weights`) refuses tensors it does not use.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,7 +188,7 @@ def model_config_from_gguf(reader, path: Path) -> ModelConfig:
         max_position=context,
         tie_word_embeddings="output.weight" not in names,
         architecture=fam.moe_model_type if moe else fam.model_type,
-        rope_scaling=_rope_scaling(meta, context),
+        rope_scaling=_rope_scaling(meta, context, _rope_freqs(reader), rotary),
         rotary_dim=0 if rotary == head_dim else rotary,
         qkv_bias=fam.qkv_bias or "blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
@@ -197,12 +198,71 @@ def model_config_from_gguf(reader, path: Path) -> ModelConfig:
     )
 
 
-def _rope_scaling(meta: _Meta, context: int) -> RopeScaling | None:
+def _rope_freqs(reader) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` tensor (float32), or None."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if tensor is None else np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+
+
+def llama3_rope_factors(base: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """The ``rope_freqs`` table llama.cpp's converter writes for Llama 3 scaling
+    (``LlamaModel.generate_extra_tensors``, ``conversion/llama.py``): per rotary pair, the
+    divisor of its frequency (1 above ``original / high``, ``factor`` below ``original / low``
+    in wavelength terms, smoothly between), float32, computed as the converter computes it."""
+    import torch
+
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    out = []
+    for freq in freqs:   # 0-d float32 tensors, as in the converter: the arithmetic stays float32
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def _llama3(meta: _Meta, factors: np.ndarray, rotary: int) -> RopeScaling:
+    """Llama 3 scaling recovered from its ``rope_freqs`` table (the converter writes no
+    ``rope.scaling.*`` key for it). ``factor`` is the largest divisor; ``low_freq_factor`` /
+    ``high_freq_factor`` are taken as 1 and 4 (the converter's defaults, every Llama 3.x's
+    values); ``original_max_position_embeddings`` is solved from a divisor of the smooth band
+    (8192, the converter's default, when there is none). The parameters are accepted only if
+    `llama3_rope_factors` gives back the stored table bit for bit.
+
+    Raises:
+        ModelLoadError: a table no such parameters reproduce (named).
+    """
+    base = meta.real("rope.freq_base", 10000.0)
+    factor, low, high = float(str(np.float32(factors.max()))), 1.0, 4.0
+    original = 8192
+    inv_freq = 1.0 / (base ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary))
+    band = [i for i, f in enumerate(factors) if 1.0 < f < factor]
+    if band:
+        i = band[0]
+        smooth = (1 / float(factors[i]) - 1 / factor) / (1 - 1 / factor)
+        original = round(2 * math.pi / inv_freq[i] * (smooth * (high - low) + low))
+    if len(factors) * 2 == rotary and factor >= 1.0 and np.array_equal(
+            llama3_rope_factors(base, rotary, factor, low, high, original), factors):
+        return RopeScaling("llama3", factor=factor, original_max_position=original, low_freq_factor=low,
+                           high_freq_factor=high)
+    raise ModelLoadError(f"{meta.path}: tensor rope_freqs.weight {factors.tolist()} is not a Llama 3 rope scaling "
+                         "(low_freq_factor 1, high_freq_factor 4) the engine can reproduce")
+
+
+def _rope_scaling(meta: _Meta, context: int, factors: np.ndarray | None = None, rotary: int = 0) -> RopeScaling | None:
     """``rope.scaling.*`` (``TextModel.set_gguf_parameters``): "linear" (``factor``) and "yarn"
     (``factor``, ``original_context_length``, ``yarn_beta_fast`` / ``yarn_beta_slow``,
     ``yarn_attn_factor`` as the Hugging Face ``attention_factor``). Llama 3's scaling is not
-    metadata but a ``rope_freqs`` tensor, refused by the weights loader."""
+    metadata but a ``rope_freqs`` tensor (`_llama3`), only with no ``rope.scaling.type``."""
     kind = meta.get("rope.scaling.type")
+    if factors is not None:
+        if kind not in (None, "none"):
+            raise _refuse(meta.path, f"{meta.arch}.rope.scaling.type", kind, "with a rope_freqs tensor is not supported")
+        return _llama3(meta, factors, rotary)
     if kind in (None, "none"):
         return None
     if kind not in ("linear", "yarn"):

@@ -143,6 +143,34 @@ def _gemma_metadata(w: gguf.GGUFWriter, hf: dict, arch, qtype, rope: dict) -> No
         w.add_sliding_window(hf["sliding_window"])
 
 
+def _llama3_rope_freqs(hf: dict) -> dict:
+    """``LlamaModel.generate_extra_tensors`` (conversion/llama.py): Llama 3 scaling as a
+    ``rope_freqs`` tensor of per-pair divisors (empty for any other rope type)."""
+    import math
+
+    import torch
+
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "")).lower() != "llama3":
+        return {}
+    base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": torch.tensor(out, dtype=torch.float32).numpy()}
+
+
 def _hf_tensors(path: Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
@@ -206,6 +234,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype=T.F32, permute_qk: bool | None = N
         if new is None:
             raise ValueError(f"cannot map tensor {name!r}")
         written[new] = data
+    written.update(_llama3_rope_freqs(hf))
     written.update(extra_tensors or {})
     for new, data in written.items():
         keep_f32 = data.ndim <= 1 or new.endswith("_norm.weight") or ".ffn_gate_inp." in new

@@ -25,10 +25,10 @@ from tests.integration.test_model_families import FAMILIES, build_checkpoint, en
 
 pytestmark = pytest.mark.integration
 
-# the test_model_families checkpoints llama.cpp can write: "llama3" has its rope factors as a
-# rope_freqs tensor (refused below), "mistral-window" loses its window (the llama converter
-# writes no sliding_window key)
-GGUF_FAMILIES = ["llama", "llama-linear", "llama-yarn", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+# the test_model_families checkpoints llama.cpp can write ("llama3": its rope factors as a
+# rope_freqs tensor); "mistral-window" loses its window (the llama converter writes no
+# sliding_window key)
+GGUF_FAMILIES = ["llama", "llama3", "llama-linear", "llama-yarn", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
                  "gemma2", "gemma3"]
 # llama.cpp's converter cannot write Qwen3-MoE's dense mlp_only_layers (gguf-py's QWEN3MOE
 # tensors have no ffn_gate / ffn_up / ffn_down), so its GGUF checkpoint routes every layer
@@ -73,6 +73,7 @@ def test_gguf_gives_the_directory_config_logits_and_greedy_tokens(checkpoints, f
     assert cfg == dataclasses.replace(want_cfg, name=cfg.name, architecture=cfg.architecture)
     assert cfg.architecture == {"mistral": "llama", "llama-linear": "llama", "llama-yarn": "llama"}.get(
         family, want_cfg.architecture)
+    assert (family == "llama3") == (cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3")
     logits, tokens = engine_logits_and_greedy(gguf_file)
     err = (logits - want_logits).abs().max().item()
     assert err < 1e-4, f"{family}: logits differ by {err}"
@@ -116,9 +117,11 @@ def test_what_the_engine_does_not_implement_is_refused_with_the_key_named(checkp
         load_weights(bad)
 
 
-def test_llama3_rope_factors_are_refused(checkpoints, tmp_path):
-    """Llama 3's rope scaling reaches GGUF as a ``rope_freqs`` tensor (``generate_extra_tensors``)."""
+def test_rope_factors_that_are_not_llama3_are_refused(checkpoints, tmp_path):
+    """Llama 3's rope scaling reaches GGUF as a ``rope_freqs`` tensor (``generate_extra_tensors``);
+    a table no llama3 parameters reproduce (six different band divisors) is refused."""
     path, _ = checkpoints("llama")
-    bad = write_gguf(path, tmp_path / "llama3.gguf", extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    factors = np.linspace(1, 3, 8, dtype=np.float32)
+    bad = write_gguf(path, tmp_path / "odd.gguf", extra_tensors={"rope_freqs.weight": factors})
     with pytest.raises(ModelLoadError, match="rope_freqs"):
         load_weights(bad)
