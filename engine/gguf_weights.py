@@ -4,19 +4,22 @@ Architectures (``general.architecture``; config: `engine.models.gguf_config`, wh
 `~engine.models.gguf_config.FAMILIES` table says what each implies): ``llama`` (Llama, Mistral and
 Mixtral, which llama.cpp writes as llama), ``qwen2`` (Q/K/V biases), ``qwen3`` (``attn_q_norm`` /
 ``attn_k_norm``), ``qwen3moe`` (routed experts) and ``phi3`` (fused ``attn_qkv``; ``ffn_up``
-holding gate then up; partial rotary).
+holding gate then up; partial rotary), ``gemma2`` and ``gemma3`` (sandwich norms, ``+ 1`` norms).
 
 Tensor layout (source: llama.cpp ``convert_hf_to_gguf.py``, now ``conversion/llama.py``,
 ``qwen.py``, ``phi.py``; names from gguf-py ``TENSOR_NAMES``): ``blk.N.attn_q/k/v/output``,
-``attn_norm``, ``ffn_norm``, ``ffn_gate/up/down``; MoE layers ``ffn_gate_inp`` (router) and
+``attn_norm``, ``ffn_norm``, ``ffn_gate/up/down``; Gemma (``conversion/gemma.py``) adds
+``post_attention_norm`` and ``post_ffw_norm`` (``ffn_norm`` is its pre-MLP norm), every norm
+weight stored with the ``+ 1`` of Gemma's ``(1 + w)`` already added (kept as stored, in float32,
+as the Hugging Face path computes them); MoE layers ``ffn_gate_inp`` (router) and
 ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, the experts stacked into one 3-D tensor
 (``[experts, rows, cols]`` as numpy reads it); ``token_embd``, ``output_norm``, ``output``
 (absent when tied). For ``llama`` only, the converter permutes the rows of Q and K (and their
 biases) so that llama.cpp's NORM rotary kernel can rotate adjacent pairs (``LlamaModel.permute``);
 we undo it, so rotary here uses the Hugging Face "rotate half" convention. The NEOX-rope
 families (qwen2, qwen3, qwen3moe, phi3) are written as Hugging Face stores them. A tensor the
-model does not use (``rope_freqs``: Llama 3 rope factors; ``rope_factors_long``: Phi-3 LongRoPE;
-anything else) is refused.
+model does not use (``rope_factors_long``: Phi-3 LongRoPE; anything else) is refused; Llama 3's
+``rope_freqs`` is read into the config's llama3 scaling (`engine.models.gguf_config`).
 
 Quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, ...) are dequantized with the ``gguf``
 package (`gguf.quants.dequantize`), except with ``native=True``: then attention and dense MLP
@@ -171,8 +174,12 @@ def load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[Mod
     _, fam = family_of(reader, path)
     cfg = model_config_from_gguf(reader, path)
     t = _GGUFTensors(reader, path, native)
-    if "rope_freqs.weight" in t:
-        raise ModelLoadError(f"{path}: tensor rope_freqs.weight (Llama 3 rope scaling factors) is not supported")
+    if "rope_freqs.weight" in t:   # Llama 3's scaling, read into cfg.rope_scaling (gguf_config._llama3)
+        t.take("rope_freqs.weight")
+    def norm(name: str) -> torch.Tensor:
+        """A norm weight; Gemma's (``+ 1`` already stored by the converter) kept in float32."""
+        return to_tensor(t.take(name), torch.float32 if cfg.norm_offset else dtype)
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
@@ -180,6 +187,11 @@ def load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[Mod
         layer = fuse_layer(cfg, dtype, attn_norm=t.take(p + "attn_norm.weight"), **_qkv(cfg, fam, t, p),
                            o=t.take(p + "attn_output.weight", native=True), ffn_norm=t.take(p + "ffn_norm.weight"),
                            **({} if moe else _mlp(fam, t, p)))
+        if cfg.norm_offset:
+            layer.attn_norm, layer.ffn_norm = norm(p + "attn_norm.weight"), norm(p + "ffn_norm.weight")
+        if cfg.sandwich_norms:
+            layer.post_attn_norm = norm(p + "post_attention_norm.weight")
+            layer.post_ffn_norm = norm(p + "post_ffw_norm.weight")
         if moe:
             layer.experts = _experts(cfg, t, p, dtype)
         if cfg.qkv_bias:
@@ -187,8 +199,7 @@ def load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[Mod
         if cfg.o_bias:
             layer.bo = to_tensor(t.take(p + "attn_output.bias"), dtype)
         if cfg.qk_norm:
-            layer.q_norm = to_tensor(t.take(p + "attn_q_norm.weight"), dtype)
-            layer.k_norm = to_tensor(t.take(p + "attn_k_norm.weight"), dtype)
+            layer.q_norm, layer.k_norm = norm(p + "attn_q_norm.weight"), norm(p + "attn_k_norm.weight")
         layers.append(layer)
     if native and not t.int4:
         raise ModelLoadError(f"{path}: native weights need Q4_0/Q4_1/Q4_K projections; this file has none "
@@ -196,7 +207,7 @@ def load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[Mod
     embed = to_tensor(t.take("token_embd.weight"), dtype)
     lm_head = embed if cfg.tie_word_embeddings else to_tensor(t.take("output.weight"), dtype)
     weights = LlamaWeights(embed=embed, layers=layers,
-                           final_norm=to_tensor(t.take("output_norm.weight"), dtype), lm_head=lm_head)
+                           final_norm=norm("output_norm.weight"), lm_head=lm_head)
     check_shapes(cfg, weights, path)
     t.check_all_used()
     return cfg, weights

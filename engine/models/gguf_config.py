@@ -6,7 +6,7 @@ The architectures are those llama.cpp writes (``general.architecture``, gguf-py
 ``{arch}.*`` (gguf-py ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``), written by llama.cpp's
 converter (``convert_hf_to_gguf.py``, since split into ``conversion/base.py``
 ``TextModel.set_gguf_parameters`` and one module per family: ``conversion/llama.py``,
-``qwen.py``, ``phi.py``). Every ``{arch}.*`` key not in `_KNOWN_KEYS` is refused, as is any
+``qwen.py``, ``phi.py``, ``gemma.py``). Every ``{arch}.*`` key not in `_KNOWN_KEYS` is refused, as is any
 value the engine does not implement (a rope scaling type, a gating function, shared experts):
 nothing is silently dropped. Which *tensors* a family has is `GGUFFamily`'s business; the
 weights loader (`engine.gguf_weights`) refuses tensors it does not use.
@@ -14,6 +14,7 @@ weights loader (`engine.gguf_weights`) refuses tensors it does not use.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,9 @@ class GGUFFamily:
         partial_rotary: ``rope.dimension_count`` may be below ``head_dim`` (Phi-3).
         sliding_window: a window shorter than the context is honoured (Mistral, as the Hugging
             Face path; elsewhere refused, as there).
+        swa_period: Gemma (`_gemma`): every ``swa_period``-th layer attends fully, the others
+            through the window, unless ``attention.sliding_window_pattern`` says otherwise; 0:
+            not Gemma.
     """
 
     model_type: str
@@ -58,6 +62,7 @@ class GGUFFamily:
     moe_model_type: str = ""
     partial_rotary: bool = False
     sliding_window: bool = False
+    swa_period: int = 0
 
 
 FAMILIES: dict[str, GGUFFamily] = {
@@ -66,8 +71,10 @@ FAMILIES: dict[str, GGUFFamily] = {
     "qwen3": GGUFFamily("qwen3", qk_norm=True),
     "qwen3moe": GGUFFamily("qwen3_moe", qk_norm=True, experts=True, moe_model_type="qwen3_moe"),
     "phi3": GGUFFamily("phi3", fused=True, partial_rotary=True),
+    "gemma2": GGUFFamily("gemma2", sliding_window=True, swa_period=2),
+    "gemma3": GGUFFamily("gemma3_text", qk_norm=True, sliding_window=True, swa_period=6),
 }
-"""``general.architecture`` -> `GGUFFamily`. Extend here (Gemma is added elsewhere)."""
+"""``general.architecture`` -> `GGUFFamily`."""
 
 _KNOWN_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
@@ -80,6 +87,11 @@ _KNOWN_KEYS = {
     "expert_gating_func", "expert_shared_count",
 }
 """``{arch}.*`` keys this reader interprets (any other is refused)."""
+_GEMMA_KEYS = {"attn_logit_softcapping", "final_logit_softcapping", "rope.freq_base_swa",
+               "attention.sliding_window_pattern"}
+"""More keys read for Gemma (`_gemma`)."""
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""Layer counts llama.cpp takes for the 27B models, whose query scale is ``(hidden / heads) ** -0.5``."""
 
 _SOFTMAX_GATING = 1   # gguf-py ExpertGatingFuncType.SOFTMAX
 
@@ -139,7 +151,8 @@ def model_config_from_gguf(reader, path: Path) -> ModelConfig:
     arch, fam = family_of(reader, path)
     meta = _Meta(reader, arch, path)
     prefix = arch + "."
-    unknown = sorted(k for k in reader.fields if k.startswith(prefix) and k[len(prefix):] not in _KNOWN_KEYS)
+    known = _KNOWN_KEYS | (_GEMMA_KEYS if fam.swa_period else set())
+    unknown = sorted(k for k in reader.fields if k.startswith(prefix) and k[len(prefix):] not in known)
     if unknown:
         raise _refuse(path, unknown[0], gguf_field(reader, unknown[0]), "is not implemented by the engine")
     hidden, heads = int(meta.need("embedding_length")), int(meta.need("attention.head_count"))
@@ -157,6 +170,10 @@ def model_config_from_gguf(reader, path: Path) -> ModelConfig:
         vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
     layers = int(meta.need("block_count"))
     moe = _experts(meta, fam, names, layers)
+    if fam.swa_period:
+        gemma = _gemma(meta, fam, layers, heads, context)
+    else:
+        gemma = dict(sliding_window=_window(meta, fam, context))
     return ModelConfig(
         name=str(gguf_field(reader, "general.name", path.stem)),
         vocab_size=int(vocab or 0),
@@ -171,22 +188,81 @@ def model_config_from_gguf(reader, path: Path) -> ModelConfig:
         max_position=context,
         tie_word_embeddings="output.weight" not in names,
         architecture=fam.moe_model_type if moe else fam.model_type,
-        rope_scaling=_rope_scaling(meta, context),
+        rope_scaling=_rope_scaling(meta, context, _rope_freqs(reader), rotary),
         rotary_dim=0 if rotary == head_dim else rotary,
-        sliding_window=_window(meta, fam, context),
         qkv_bias=fam.qkv_bias or "blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         qk_norm=fam.qk_norm,
         **moe,
+        **gemma,
     )
 
 
-def _rope_scaling(meta: _Meta, context: int) -> RopeScaling | None:
+def _rope_freqs(reader) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` tensor (float32), or None."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if tensor is None else np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+
+
+def llama3_rope_factors(base: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """The ``rope_freqs`` table llama.cpp's converter writes for Llama 3 scaling
+    (``LlamaModel.generate_extra_tensors``, ``conversion/llama.py``): per rotary pair, the
+    divisor of its frequency (1 above ``original / high``, ``factor`` below ``original / low``
+    in wavelength terms, smoothly between), float32, computed as the converter computes it."""
+    import torch
+
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    out = []
+    for freq in freqs:   # 0-d float32 tensors, as in the converter: the arithmetic stays float32
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def _llama3(meta: _Meta, factors: np.ndarray, rotary: int) -> RopeScaling:
+    """Llama 3 scaling recovered from its ``rope_freqs`` table (the converter writes no
+    ``rope.scaling.*`` key for it). ``factor`` is the largest divisor; ``low_freq_factor`` /
+    ``high_freq_factor`` are taken as 1 and 4 (the converter's defaults, every Llama 3.x's
+    values); ``original_max_position_embeddings`` is solved from a divisor of the smooth band
+    (8192, the converter's default, when there is none). The parameters are accepted only if
+    `llama3_rope_factors` gives back the stored table bit for bit.
+
+    Raises:
+        ModelLoadError: a table no such parameters reproduce (named).
+    """
+    base = meta.real("rope.freq_base", 10000.0)
+    factor, low, high = float(str(np.float32(factors.max()))), 1.0, 4.0
+    original = 8192
+    inv_freq = 1.0 / (base ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary))
+    band = [i for i, f in enumerate(factors) if 1.0 < f < factor]
+    if band:
+        i = band[0]
+        smooth = (1 / float(factors[i]) - 1 / factor) / (1 - 1 / factor)
+        original = round(2 * math.pi / inv_freq[i] * (smooth * (high - low) + low))
+    if len(factors) * 2 == rotary and factor >= 1.0 and np.array_equal(
+            llama3_rope_factors(base, rotary, factor, low, high, original), factors):
+        return RopeScaling("llama3", factor=factor, original_max_position=original, low_freq_factor=low,
+                           high_freq_factor=high)
+    raise ModelLoadError(f"{meta.path}: tensor rope_freqs.weight {factors.tolist()} is not a Llama 3 rope scaling "
+                         "(low_freq_factor 1, high_freq_factor 4) the engine can reproduce")
+
+
+def _rope_scaling(meta: _Meta, context: int, factors: np.ndarray | None = None, rotary: int = 0) -> RopeScaling | None:
     """``rope.scaling.*`` (``TextModel.set_gguf_parameters``): "linear" (``factor``) and "yarn"
     (``factor``, ``original_context_length``, ``yarn_beta_fast`` / ``yarn_beta_slow``,
     ``yarn_attn_factor`` as the Hugging Face ``attention_factor``). Llama 3's scaling is not
-    metadata but a ``rope_freqs`` tensor, refused by the weights loader."""
+    metadata but a ``rope_freqs`` tensor (`_llama3`), only with no ``rope.scaling.type``."""
     kind = meta.get("rope.scaling.type")
+    if factors is not None:
+        if kind not in (None, "none"):
+            raise _refuse(meta.path, f"{meta.arch}.rope.scaling.type", kind, "with a rope_freqs tensor is not supported")
+        return _llama3(meta, factors, rotary)
     if kind in (None, "none"):
         return None
     if kind not in ("linear", "yarn"):
@@ -210,6 +286,42 @@ def _window(meta: _Meta, fam: GGUFFamily, context: int) -> int | None:
         raise _refuse(meta.path, f"{meta.arch}.attention.sliding_window", window,
                       f"(shorter than the context) is not supported for {meta.arch}")
     return int(window)
+
+
+def _gemma(meta: _Meta, fam: GGUFFamily, layers: int, heads: int, context: int) -> dict:
+    """The `ModelConfig` fields of a Gemma 2/3 file (as `engine.models.hf_config` sets them), read
+    as llama.cpp's loader reads them (``src/models/gemma2.cpp`` ``load_arch_hparams``; Gemma 3 in
+    ``src/llama-model.cpp`` ``load_hparams``): the layers that slide are those of
+    ``set_swa_pattern(n)``, ``il % n < n - 1`` (every n-th layer global; ``n`` 2 for Gemma 2, 6
+    for Gemma 3, or ``attention.sliding_window_pattern``: a period or one flag per layer); the
+    sliding layers' rope base is ``rope.freq_base_swa``, else the global one (Gemma 2) or 10000
+    (Gemma 3, unscaled); the query scale is ``head_dim ** -0.5`` (``n_embd_head_k``) except for the
+    27B layer counts, ``(hidden / heads) ** -0.5``: the converter writes no
+    ``query_pre_attn_scalar``. Norm weights arrive with the converter's ``+ 1`` added
+    (``conversion/gemma.py`` ``modify_tensors``; `engine.gguf_weights` keeps them as they are).
+    """
+    pattern = meta.get("attention.sliding_window_pattern", fam.swa_period)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise _refuse(meta.path, f"{meta.arch}.attention.sliding_window_pattern", pattern, f"must flag {layers} layers")
+        sliding = [i for i, swa in enumerate(pattern) if swa]
+    else:
+        n = int(pattern)
+        sliding = [i for i in range(layers) if n == 0 or i % n < n - 1]
+    window = meta.get("attention.sliding_window")
+    if not sliding or not window or int(window) >= context:
+        window, window_layers = None, None
+    else:
+        window, window_layers = int(window), None if len(sliding) == layers else tuple(sliding)
+    base = meta.real("rope.freq_base", 10000.0)
+    local = meta.real("rope.freq_base_swa", 10000.0 if meta.arch == "gemma3" else base)
+    hidden, head_dim = int(meta.need("embedding_length")), int(meta.need("attention.key_length"))
+    width = hidden // heads if layers == _GEMMA_27B_LAYERS.get(meta.arch) else head_dim
+    return dict(sliding_window=window, window_layers=window_layers,
+                local_rope_theta=None if meta.arch == "gemma2" and local == base else local,
+                hidden_act="gelu_tanh", norm_offset=1.0, sandwich_norms=True,
+                embedding_multiplier=float(hidden) ** 0.5, attn_scale=float(width) ** -0.5,
+                attn_softcap=meta.real("attn_logit_softcapping"), final_softcap=meta.real("final_logit_softcapping"))
 
 
 def _experts(meta: _Meta, fam: GGUFFamily, names: set[str], layers: int) -> dict:

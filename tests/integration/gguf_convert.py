@@ -3,7 +3,8 @@
 Mirrors llama.cpp ``convert_hf_to_gguf.py`` (now split into ``conversion/base.py``:
 ``TextModel.set_gguf_parameters`` and ``prepare_tensors``; ``conversion/llama.py``:
 ``LlamaModel``, which also converts Mistral and Mixtral; ``conversion/qwen.py``: ``Qwen2Model``,
-``Qwen3Model``, ``Qwen2MoeModel`` / ``Qwen3MoeModel``; ``conversion/phi.py``: ``Phi3MiniModel``),
+``Qwen3Model``, ``Qwen2MoeModel`` / ``Qwen3MoeModel``; ``conversion/phi.py``: ``Phi3MiniModel``;
+``conversion/gemma.py``: ``Gemma2Model``, ``Gemma3Model``, which add 1 to every ``*norm.weight``),
 as vendored by llama-cpp-python 0.3.36: the metadata each family writes, tensor names through
 gguf-py's ``get_tensor_name_map``, Q/K rows permuted for ``llama`` only, experts stacked into
 3-D tensors, and for a quantized file type norms, 1-D tensors and the router kept F32. The
@@ -22,7 +23,8 @@ import numpy as np
 T = gguf.GGMLQuantizationType
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "mixtral": gguf.MODEL_ARCH.LLAMA,
         "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-        "phi3": gguf.MODEL_ARCH.PHI3}
+        "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
+GEMMA = {gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3}
 FILE_TYPE = {T.F32: gguf.LlamaFileType.ALL_F32, T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
 
 
@@ -53,6 +55,9 @@ def _metadata(w: gguf.GGUFWriter, hf: dict, arch, qtype) -> None:
         if key not in rope and key in hf:
             rope[key] = hf[key]
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if arch in GEMMA:
+        _gemma_metadata(w, hf, arch, qtype, rope)
+        return
     if arch == gguf.MODEL_ARCH.PHI3:   # Phi3MiniModel.set_gguf_parameters does not call super()
         w.add_context_length(hf["max_position_embeddings"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -103,6 +108,67 @@ def _metadata(w: gguf.GGUFWriter, hf: dict, arch, qtype) -> None:
         w.add_rope_dimension_count(hf.get("head_dim") or hidden // heads)
     if arch == gguf.MODEL_ARCH.QWEN3MOE and hf.get("moe_intermediate_size") is not None:
         w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+
+
+def _gemma_metadata(w: gguf.GGUFWriter, hf: dict, arch, qtype, rope: dict) -> None:
+    """``Gemma2Model.set_gguf_parameters`` (no super(): no rope keys, so the default base), or
+    ``Gemma3Model``'s (``TextModel.set_gguf_parameters`` first: rope scaling and base of
+    ``full_attention``, ``rope.freq_base_swa`` of ``sliding_attention``; then head width, final
+    soft-cap when set, window). Neither writes ``query_pre_attn_scalar`` nor which layers slide."""
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_key_length(hf["head_dim"])
+    w.add_value_length(hf["head_dim"])
+    w.add_file_type(FILE_TYPE[qtype])
+    if arch == gguf.MODEL_ARCH.GEMMA2:
+        w.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(hf["final_logit_softcapping"])
+        w.add_sliding_window(hf["sliding_window"])
+        return
+    full, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_rope_freq_base(full.get("rope_theta", 1_000_000.0))
+    if local.get("rope_theta") is not None:
+        w.add_rope_freq_base_swa(local["rope_theta"])
+    if hf.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hf["final_logit_softcapping"])
+    if hf.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(hf["sliding_window"])
+
+
+def _llama3_rope_freqs(hf: dict) -> dict:
+    """``LlamaModel.generate_extra_tensors`` (conversion/llama.py): Llama 3 scaling as a
+    ``rope_freqs`` tensor of per-pair divisors (empty for any other rope type)."""
+    import math
+
+    import torch
+
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "")).lower() != "llama3":
+        return {}
+    base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": torch.tensor(out, dtype=torch.float32).numpy()}
 
 
 def _hf_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -156,6 +222,10 @@ def write_gguf(hf_dir: Path, out: Path, qtype=T.F32, permute_qk: bool | None = N
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     written = {}
     for name, data in tensors.items():
+        if arch in GEMMA and name == "lm_head.weight":   # Gemma2Model.filter_tensors (tied in llama.cpp)
+            continue
+        if arch in GEMMA and name.endswith("norm.weight"):   # modify_tensors / norm_shift
+            data = data + 1
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = permute(data, heads, heads)
         if permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -164,6 +234,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype=T.F32, permute_qk: bool | None = N
         if new is None:
             raise ValueError(f"cannot map tensor {name!r}")
         written[new] = data
+    written.update(_llama3_rope_freqs(hf))
     written.update(extra_tensors or {})
     for new, data in written.items():
         keep_f32 = data.ndim <= 1 or new.endswith("_norm.weight") or ".ffn_gate_inp." in new

@@ -25,14 +25,21 @@ from tests.integration.test_model_families import FAMILIES, build_checkpoint, en
 
 pytestmark = pytest.mark.integration
 
-# the test_model_families checkpoints llama.cpp can write: "llama3" has its rope factors as a
-# rope_freqs tensor (refused below), "mistral-window" loses its window (the llama converter
-# writes no sliding_window key)
-GGUF_FAMILIES = ["llama", "llama-linear", "llama-yarn", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"]
+# the test_model_families checkpoints llama.cpp can write ("llama3": its rope factors as a
+# rope_freqs tensor); "mistral-window" loses its window (the llama converter writes no
+# sliding_window key)
+GGUF_FAMILIES = ["llama", "llama3", "llama-linear", "llama-yarn", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+                 "gemma2", "gemma3"]
 # llama.cpp's converter cannot write Qwen3-MoE's dense mlp_only_layers (gguf-py's QWEN3MOE
 # tensors have no ffn_gate / ffn_up / ffn_down), so its GGUF checkpoint routes every layer
 _cls, _fields, _rope = FAMILIES["qwen3_moe"]
 SPECS = {"qwen3_moe": (_cls, {**_fields, "mlp_only_layers": []}, _rope)}
+# Gemma: the converter writes no query_pre_attn_scalar (llama.cpp scales by head_dim ** -0.5) and
+# no layer pattern (Gemma 3: every 6th layer global); Gemma2Model drops lm_head.weight (tied)
+for _name, _more in (("gemma2", {"tie_word_embeddings": True}),
+                     ("gemma3", {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})):
+    _cls, _fields, _rope = FAMILIES[_name]
+    SPECS[_name] = (_cls, {**_fields, "query_pre_attn_scalar": _fields["head_dim"], **_more}, _rope)
 Q8_0_QUANTIZED, Q8_0_TOLERANCE = 1e-2, 10.0
 """Bounds of the largest |logit difference| between a Q8_0 file and its float32 checkpoint:
 measured 3.9 (llama) and 5.9 (qwen3_moe) at the worst of 330 positions, median over positions
@@ -66,6 +73,7 @@ def test_gguf_gives_the_directory_config_logits_and_greedy_tokens(checkpoints, f
     assert cfg == dataclasses.replace(want_cfg, name=cfg.name, architecture=cfg.architecture)
     assert cfg.architecture == {"mistral": "llama", "llama-linear": "llama", "llama-yarn": "llama"}.get(
         family, want_cfg.architecture)
+    assert (family == "llama3") == (cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3")
     logits, tokens = engine_logits_and_greedy(gguf_file)
     err = (logits - want_logits).abs().max().item()
     assert err < 1e-4, f"{family}: logits differ by {err}"
@@ -109,9 +117,11 @@ def test_what_the_engine_does_not_implement_is_refused_with_the_key_named(checkp
         load_weights(bad)
 
 
-def test_llama3_rope_factors_are_refused(checkpoints, tmp_path):
-    """Llama 3's rope scaling reaches GGUF as a ``rope_freqs`` tensor (``generate_extra_tensors``)."""
+def test_rope_factors_that_are_not_llama3_are_refused(checkpoints, tmp_path):
+    """Llama 3's rope scaling reaches GGUF as a ``rope_freqs`` tensor (``generate_extra_tensors``);
+    a table no llama3 parameters reproduce (six different band divisors) is refused."""
     path, _ = checkpoints("llama")
-    bad = write_gguf(path, tmp_path / "llama3.gguf", extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    factors = np.linspace(1, 3, 8, dtype=np.float32)
+    bad = write_gguf(path, tmp_path / "odd.gguf", extra_tensors={"rope_freqs.weight": factors})
     with pytest.raises(ModelLoadError, match="rope_freqs"):
         load_weights(bad)
