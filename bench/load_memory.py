@@ -12,6 +12,9 @@ with ``--threads`` torch threads:
 
     pdserve-bf16 / -fp32        engine.loader.load_weights (weights only)
     pdserve-model-bf16 / -fp32  engine.loader.load_model, then a KV pool of ``--pool-blocks``
+                                (``--no-gemv-copies``: load_model(gemv_copies=False), a prefill
+                                worker's; float32 otherwise keeps plain copies of the projections
+                                beside the packed ones where they time faster, 2x by design)
     hf-bf16 / -fp32             transformers AutoModelForCausalLM.from_pretrained(dir, dtype=...),
                                 then every parameter read once (transformers may keep bfloat16
                                 parameters as views of the mapped files, resident only when
@@ -115,7 +118,7 @@ def _status_mb(field: str) -> float:
     return int(Path("/proc/self/status").read_text().split(field + ":")[1].split()[0]) / 1024
 
 
-def child(row: str, path: Path, threads: int, pool_blocks: int) -> dict:
+def child(row: str, path: Path, threads: int, pool_blocks: int, gemv_copies: bool = True) -> dict:
     """Load ``path`` as ``row`` says, in this process (call it in a fresh one)."""
     import torch
 
@@ -141,7 +144,7 @@ def child(row: str, path: Path, threads: int, pool_blocks: int) -> dict:
 
         start = _status_mb("VmRSS")
         t0 = time.perf_counter()
-        loaded = load_model(path, weights=row.rsplit("-", 1)[1])
+        loaded = load_model(path, weights=row.rsplit("-", 1)[1], gemv_copies=gemv_copies)
         pool = KVPool(loaded.config, CacheConfig(num_blocks=pool_blocks, dtype=loaded.kv_dtype))
         seconds = time.perf_counter() - t0
         pool_mb = pool.kv.nbytes / 2**20
@@ -155,7 +158,8 @@ def child(row: str, path: Path, threads: int, pool_blocks: int) -> dict:
         seconds = time.perf_counter() - t0
         tensors = {t.data_ptr(): t for t in _tensors(weights)}
         params = sum(t.numel() for t in tensors.values())
-    return {"row": row, "seconds": round(seconds, 2), "start_mb": round(start), "peak_mb": round(_status_mb("VmHWM")),
+    gemv = getattr(loaded.model, "gemv_copies", None) if row.startswith("pdserve-model-") else None
+    return {"row": row, "gemv_copies_kept": gemv, "seconds": round(seconds, 2), "start_mb": round(start), "peak_mb": round(_status_mb("VmHWM")),
             "params": params, "pool_mb": round(pool_mb), "bytes_per_param": dtype.itemsize,
             "untouched_peak_mb": lazy_peak and round(lazy_peak)}
 
@@ -190,12 +194,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pool-blocks", type=int, default=512, help="KV blocks (16 tokens) of the load_model rows")
+    ap.add_argument("--no-gemv-copies", action="store_true", help="load_model(gemv_copies=False) in the model rows")
     ap.add_argument("--child", help="run one row in this process (internal)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     path = Path(args.dir)
     if args.child:
-        print(json.dumps(child(args.child, path, args.threads, args.pool_blocks)))
+        print(json.dumps(child(args.child, path, args.threads, args.pool_blocks, not args.no_gemv_copies)))
         return {}
     if not (path / "model.safetensors.index.json").exists():
         t0 = time.perf_counter()
@@ -211,7 +216,8 @@ def main(argv=None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     for row in args.rows.split(","):
         out = subprocess.run([sys.executable, "-m", "bench.load_memory", "--child", row, "--dir", str(path),
-                              "--threads", str(args.threads), "--pool-blocks", str(args.pool_blocks)],
+                              "--threads", str(args.threads), "--pool-blocks", str(args.pool_blocks)]
+                             + ["--no-gemv-copies"] * args.no_gemv_copies,
                              capture_output=True, text=True, env=env)
         if out.returncode != 0:
             print(f"{row:20} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
@@ -223,7 +229,8 @@ def main(argv=None) -> dict:
         run["within_bound"] = run["ratio"] <= BOUND
         result["runs"].append(run)
         print(f"{row:20} {run['seconds']:>7} {run['start_mb']:>9} {run['peak_mb']:>8} {run['weights_mb']:>11} "
-              f"{run['pool_mb']:>8} {run['ratio']:>11}  {'yes' if run['within_bound'] else 'NO'}", flush=True)
+              f"{run['pool_mb']:>8} {run['ratio']:>11}  {'yes' if run['within_bound'] else 'NO'}"
+              + ("  (gemv copies kept)" if run.get("gemv_copies_kept") else ""), flush=True)
     if args.json:
         write_json(args.json, result, args)
     return result

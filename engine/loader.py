@@ -115,6 +115,7 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     config, loaded = load_weights(path, DTYPES[dtype], native=native)
     if dev.type != "cpu":
         loaded = _to_device(loaded, dev)
+    # the model takes the weights over, dropping each original once packed (`LlamaModel`)
     model = model_class(config.architecture)(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)], gemv_copies=gemv_copies)
     del loaded
     release_freed_memory()

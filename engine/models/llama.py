@@ -30,7 +30,7 @@ from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
 from engine.models.rope import RotaryEmbedding
 from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
-from engine.weights import LlamaWeights
+from engine.weights import LayerWeights, LlamaWeights
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,15 @@ class LlamaModel:
     """Forward pass over a `ForwardBatch` (an `engine.models.base.CausalLM`).
 
     The model holds no per-request state: K/V live in the `KVPool` passed to `forward`.
+
+    Building it takes the weights over: each layer's projections (and experts) are packed into
+    the model's kernels and then dropped from the `LlamaWeights` passed in (set to None, as is
+    its ``lm_head``), one projection (expert) at a time, so that loading never holds a second
+    full copy of the weights (each is large enough for a mapping of its own, so freeing it
+    returns its pages at once: a ``malloc_trim`` between layers lowered no peak, measured). The caller must not use
+    that weights object again (build a second model from freshly loaded weights); the model
+    keeps the embedding, norms and biases it references, and a float32 projection's original
+    stays its gemv copy when those are kept.
     """
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
@@ -91,13 +100,18 @@ class LlamaModel:
         # "Head build order")
         self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, backend) if self.quantized
                          else Linear(weights.lm_head, backend, gemv_copies))
-        self._layers = [_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies) for layer in weights.layers]
-        self._experts = [None if layer.experts is None else
-                         RoutedExperts(layer.experts, config.num_experts_per_tok, config.norm_topk_prob, backend)
-                         for layer in weights.layers]
+        weights.lm_head = None   # a tied head's weight stays referenced as the embedding
+        self._layers, self._experts = [], []
+        self.gemv_copies = False
+        for i, layer in enumerate(weights.layers):
+            self._layers.append(_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies))
+            self._experts.append(None if layer.experts is None else RoutedExperts(
+                layer.experts, config.num_experts_per_tok, config.norm_topk_prob, backend))
+            layer.experts = None
+            if i == 0:   # decided on layer 0 and the head, so that the other layers make no unused copies
+                self.gemv_copies = gemv_copies = self._keep_gemv_copies_if_faster()
         if self.quantized:
             self._choose_low_bit_rows(max_int4_rows, max_int8_head_rows)
-        self.gemv_copies = self._keep_gemv_copies_if_faster()
         self.device = weights.embed.device
         # one rotary embedding per distinct rope (Gemma 3's sliding layers have their own base), and per layer its index
         ropes = [config]
@@ -190,9 +204,10 @@ class LlamaModel:
     def _keep_gemv_copies_if_faster(self) -> bool:
         """Time one-row inputs through the gemv copies and the packed weights (layer 0's
         projections and the head, `engine.linear.gemv_copy_pays`); drop every copy if they do
-        not pay. Returns whether copies are kept."""
+        not pay. Called once layer 0 and the head are built, before the other layers. Returns
+        whether copies are kept."""
         probe = [p for p in (*vars(self._layers[0]).values(), self._lm_head)
-                 if isinstance(p, Linear) and p.has_gemv_copy]
+                 if isinstance(p, Linear) and p.has_gemv_copy]   # the only layer built yet
         if not probe:
             return False
         if gemv_copy_pays(probe):
@@ -235,15 +250,19 @@ class _LayerExtras:
 
 
 class _LayerLinears:
-    def __init__(self, layer, backend: str, max_int4_rows: int, gemv_copies: bool):
+    """A layer's projections as kernels (`Linear`, `Int4Linear`; None where the layer has
+    experts instead), each original set to None in ``layer`` as soon as its kernel is built."""
+
+    def __init__(self, layer: LayerWeights, backend: str, max_int4_rows: int, gemv_copies: bool):
         def make(w):
             return (Int4Linear(w, max_int4_rows, backend) if isinstance(w, Int4Weight)
                     else Linear(w, backend, gemv_copies))
 
-        self.wqkv = make(layer.wqkv)
-        self.wo = make(layer.wo)
-        self.w_gate_up = make(layer.w_gate_up) if layer.w_gate_up is not None else None
-        self.w_down = make(layer.w_down) if layer.w_down is not None else None
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):   # forward order (`vars` relies on it)
+            w = getattr(layer, name)
+            setattr(layer, name, None)
+            setattr(self, name, None if w is None else make(w))
+            w = None
 
 
 def _rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -40,15 +40,17 @@ class RoutedExperts:
         weights: the layer's `ExpertWeights`.
         top_k: experts per token (``num_experts_per_tok``).
         norm_topk_prob: renormalize the kept probabilities to sum to 1.
-        backend: `engine.linear` backend for the experts' projections.
+        backend: `engine.linear` backend for the experts' projections. Each expert's weight is
+            set to None in ``weights`` once its `Linear` is built (the model owns the weights:
+            `engine.models.llama.LlamaModel`).
     Call with ``x``: ``[tokens, hidden]``; returns ``[tokens, hidden]`` in ``x``'s dtype.
     """
 
     def __init__(self, weights: ExpertWeights, top_k: int, norm_topk_prob: bool, backend: str):
         self.router = weights.router
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate_up = [Linear(w, backend) for w in weights.gate_up]
-        self.down = [Linear(w, backend) for w in weights.down]
+        self.gate_up = _take_linears(weights.gate_up, backend)
+        self.down = _take_linears(weights.down, backend)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)``, each ``[tokens, top_k]``: routing weights in ``x``'s dtype and
@@ -76,3 +78,13 @@ class RoutedExperts:
             out.index_add_(0, tokens, y)
             start += n
         return out
+
+
+def _take_linears(weights: list[torch.Tensor], backend: str) -> list[Linear]:
+    """A `Linear` per weight, each weight set to None in ``weights`` once built (so that no
+    more than one expert's original outlives its packed form)."""
+    out = []
+    for i, w in enumerate(weights):
+        weights[i] = None
+        out.append(Linear(w, backend))
+    return out
