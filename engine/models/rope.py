@@ -134,12 +134,20 @@ def rope_tables(config: ModelConfig, dtype: torch.dtype, seq_len: int = 0,
 
 
 def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention: float,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = torch.outer(positions, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos() * attention, emb.sin() * attention
-    sin[:, : inv_freq.numel()].neg_()
-    return cos.to(dtype), sin.to(dtype)
+            dtype: torch.dtype, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables of ``positions``, computed ``chunk`` rows at a time (elementwise, so the same
+    values; a 128k-position model's float32 temporaries would otherwise add to a worker's peak
+    memory while it loads)."""
+    half = inv_freq.numel()
+    cos = torch.empty(positions.numel(), 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    for lo in range(0, positions.numel(), chunk):
+        freqs = torch.outer(positions[lo:lo + chunk], inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        c, s = emb.cos() * attention, emb.sin() * attention
+        s[:, :half].neg_()
+        cos[lo:lo + chunk], sin[lo:lo + chunk] = c, s
+    return cos, sin
 
 
 class RotaryEmbedding:
