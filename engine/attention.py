@@ -60,6 +60,8 @@ class ForwardBatch:
         seq_ranges: ``(first_row, num_tokens, context_len, block_ids)`` per sequence.
         block_tables: ``[D, max_blocks]`` int64 (padded with block 0), the D one-token sequences.
         decode_lens: the D one-token sequences' contexts (tokens), the new token included.
+        decode_lens_t: ``decode_lens`` as a ``[D]`` int32 tensor on the device, set by `to` off
+            the CPU (read by the Triton decode kernel).
         decode_groups: the D one-token sequences split into runs of rows that decode attention
             handles together (see `DecodeGroup`).
         decode_rows: mixed passes only: ``[D]`` int64, the rows of the one-token sequences
@@ -81,6 +83,7 @@ class ForwardBatch:
     decode_rows: torch.Tensor | None = None
     sample_rows: torch.Tensor | None = None
     logits_spans: list[tuple[int, int]] | None = None
+    decode_lens_t: torch.Tensor | None = None
     _decode_biases: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def decode_bias(self, group: "DecodeGroup", window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -176,7 +179,9 @@ class ForwardBatch:
             seq_ranges=[(a, b, c, move(d)) for a, b, c, d in self.seq_ranges],
             block_tables=move(self.block_tables),
             decode_groups=None if groups is None else [g.to(device) for g in groups],
-            decode_rows=move(self.decode_rows), sample_rows=move(self.sample_rows))
+            decode_rows=move(self.decode_rows), sample_rows=move(self.sample_rows),
+            decode_lens_t=None if self.decode_lens is None or torch.device(device).type == "cpu"
+            else torch.tensor(self.decode_lens, dtype=torch.int32, device=device))
 
     def _build_decode_tables(self, block_size: int, ranges) -> None:
         max_blocks = max(r[3].numel() for r in ranges)
@@ -330,7 +335,9 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
     """One query per sequence, over its gathered K/V (``q``: ``[D, num_heads, head_dim]``;
     returns ``[D, num_heads * head_dim]``); with ``window``, over its last ``window`` positions.
 
-    The G = num_heads / num_kv_heads query heads sharing a KV head (grouped-query attention; Hugging
+    On CUDA with Triton: `engine.triton_attention.paged_decode`, straight from the pool through the
+    block table. Otherwise:
+    the G = num_heads / num_kv_heads query heads sharing a KV head (grouped-query attention; Hugging
     Face's ``repeat_kv`` maps query head ``h`` to KV head ``h // G``) attend as G query rows of
     that KV head, so K/V are never expanded. Per `DecodeGroup` (on the CPU; one group on other
     devices, `ForwardBatch.to`), the gathered K/V are cast to ``q``'s dtype and laid out
@@ -339,6 +346,12 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
     batch at once: docs/PERFORMANCE.md, "Grouped decode attention").
     """
     b, heads, dim = q.shape
+    if batch.decode_lens_t is not None:   # set off the CPU (`ForwardBatch.to`)
+        from engine import triton_attention
+
+        if triton_attention.available(q.device):   # off the CPU: read the pool through the block table
+            return triton_attention.paged_decode(q, k_pool, v_pool, batch.block_tables, batch.decode_lens_t,
+                                                 block_size, window, scale, softcap).reshape(b, -1)
     kv_heads = k_pool.shape[1]
     q = q.view(b, kv_heads, heads // kv_heads, dim)
     outs = []
