@@ -1,6 +1,7 @@
 """Tokenizer, chat template and incremental detokenization with stop strings.
 
-Built from GGUF metadata (``tokenizer.ggml.*``, byte-level BPE "gpt2" models) or from a Hugging
+Built from GGUF metadata (``tokenizer.ggml.*``: byte-level BPE and SentencePiece vocabularies read
+as llama.cpp reads them, `engine.gguf_vocab`) or from a Hugging
 Face directory: ``tokenizer.json``, ``tokenizer_config.json``, the chat templates
 (`engine.chat_template`: ``chat_template.jinja``, ``additional_chat_templates/``) and
 ``generation_config.json`` (`engine.generation_config`: stop ids, default sampling). The router
@@ -20,10 +21,6 @@ from engine.chat_template import DEFAULT, ChatTemplate, load_hf_templates, speci
 from engine.errors import ChatTemplateError, InvalidRequestError, TokenizerError
 from engine.generation_config import GenerationDefaults, load_generation_config
 
-# llama.cpp pre-tokenizer names -> split digits one by one before the byte-level regex
-# (source: llama.cpp src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM / STARCODER).
-_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "smaug-bpe", "gpt-2"}
-_CONTROL_TOKEN_TYPES = {3, 4}  # gguf TokenType.CONTROL, USER_DEFINED
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -42,6 +39,17 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _UNICODE_TO_BYTE = _byte_level_alphabet()
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    """A SentencePiece piece's bytes: ``<0xNN>`` is one byte, ``▁`` a space (the decoder's
+    ``ByteFallback`` and ``Replace``, without its per-call strip of the leading space)."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode("utf-8")
 
 
 @dataclass
@@ -121,11 +129,14 @@ class Tokenizer:
         vocab = self.backend.get_vocab(with_added_tokens=True)
         table = [b""] * self.vocab_size
         byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        byte_fallback = bool(getattr(self.backend.model, "byte_fallback", False))
         added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
         for piece, i in vocab.items():
             if 0 <= i < len(table):
                 if byte_level and piece not in added:
                     table[i] = bytes(_UNICODE_TO_BYTE.get(ch, 0) for ch in piece)
+                elif byte_fallback and piece not in added:
+                    table[i] = _sentencepiece_bytes(piece)
                 else:
                     table[i] = self.backend.decode([i], skip_special_tokens=False).encode("utf-8")
         return table
@@ -178,28 +189,18 @@ class Tokenizer:
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
+    from engine import gguf_vocab
     from engine.modelfile import gguf_field, gguf_reader
 
     reader = gguf_reader(path)
-    kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    architecture = gguf_field(reader, "general.architecture", "llama")
+    try:
+        built = gguf_vocab.build(lambda key, default=None: gguf_field(reader, key, default), architecture)
+    except TokenizerError as exc:
+        raise TokenizerError(f"{path}: {exc}") from exc
+    backend = built.backend
     tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-    types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if gguf_field(reader, "tokenizer.ggml.pre", "") in _DIGIT_SPLIT_PRE:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
-    special = [tokens[i] for i, t in enumerate(types) if t in _CONTROL_TOKEN_TYPES]
-    backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
     eos = int(gguf_field(reader, "tokenizer.ggml.eos_token_id", 0))
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     template = gguf_field(reader, "tokenizer.chat_template")
@@ -207,11 +208,11 @@ def _from_gguf(path: Path) -> Tokenizer:
         backend=backend, eos_token_id=eos,
         stop_token_ids=_stop_ids(vocab, eos, template),
         chat_template=template, bos_token=tokens[bos] if bos is not None else "",
-        eos_token=tokens[eos], add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        eos_token=tokens[eos], add_bos=built.add_bos,
         template_variables={"bos_token": tokens[bos] if bos is not None else "", "eos_token": tokens[eos]},
         bos_token_id=int(bos) if bos is not None else None,
         context_length=_int_or_none(gguf_field(
-            reader, f"{gguf_field(reader, 'general.architecture', 'llama')}.context_length")),
+            reader, f"{architecture}.context_length")),
     )
 
 
