@@ -196,6 +196,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--pool-blocks", type=int, default=512, help="KV blocks (16 tokens) of the load_model rows")
     ap.add_argument("--no-gemv-copies", action="store_true", help="load_model(gemv_copies=False) in the model rows")
     ap.add_argument("--child", help="run one row in this process (internal)")
+    ap.add_argument("--untied", action="store_true",
+                    help="build the checkpoint with its own lm_head (as Llama 3 8B and 70B have it)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     path = Path(args.dir)
@@ -204,7 +206,7 @@ def main(argv=None) -> dict:
         return {}
     if not (path / "model.safetensors.index.json").exists():
         t0 = time.perf_counter()
-        shards = write_checkpoint(path, LLAMA32_1B, args.shard_mb << 20)
+        shards = write_checkpoint(path, {**LLAMA32_1B, "tie_word_embeddings": not args.untied}, args.shard_mb << 20)
         save_tokenizer(path)
         print(f"built {path}: {shards} shards in {time.perf_counter() - t0:.0f} s", flush=True)
     params = checkpoint_params(path)
