@@ -111,12 +111,14 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _ask(url: str, question: str) -> None:
-    """Send ``question`` through the OpenAI chat API (streamed) and print the answer."""
+    """Send ``question`` through the OpenAI chat API (streamed), to the model ``/v1/models``
+    lists, and print the answer."""
     import json
 
     import httpx
 
-    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": question}],
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]   # the name the router serves
+    body = {"model": models[0]["id"], "messages": [{"role": "user", "content": question}],
             "max_tokens": 128, "temperature": 0, "stream": True}
     print(f"> {question}", flush=True)
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:

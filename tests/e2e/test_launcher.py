@@ -32,10 +32,17 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    """README's run command, on the default model under a file name of its own: the model is
+    served under that name and ``--ask`` asks it (the name ``/v1/models`` lists)."""
+    from engine.modelfile import default_model_path
+
+    model = tmp_path / "models" / "my-smollm2.gguf"
+    model.parent.mkdir()
+    model.symlink_to(default_model_path())
     http_port, registry_port = free_port(), free_port()
     argv = [sys.executable, "-m", "deploy.cli", "up", "--http-port", str(http_port),
             "--registry-port", str(registry_port), "--num-blocks", "256", "--log-dir", str(tmp_path),
-            "--ask", "What is the capital of France?"]
+            "--model", str(model), "--ask", "What is the capital of France?"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], name="up-stdout", daemon=True).start()
@@ -50,7 +57,7 @@ def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
         class _C:
             url = f"http://127.0.0.1:{http_port}"
         r = openai_client(_C).chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+            model="my-smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert r.usage.completion_tokens >= 1
         assert len(_processes_mentioning(f"127.0.0.1:{registry_port}")) == 3  # router + 2 workers
         proc.send_signal(signal.SIGTERM)
