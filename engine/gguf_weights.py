@@ -187,8 +187,6 @@ def load_gguf(path: Path, dtype: torch.dtype, native: bool = False) -> tuple[Mod
         layer = fuse_layer(cfg, dtype, attn_norm=t.take(p + "attn_norm.weight"), **_qkv(cfg, fam, t, p),
                            o=t.take(p + "attn_output.weight", native=True), ffn_norm=t.take(p + "ffn_norm.weight"),
                            **({} if moe else _mlp(fam, t, p)))
-        if cfg.norm_offset:
-            layer.attn_norm, layer.ffn_norm = norm(p + "attn_norm.weight"), norm(p + "ffn_norm.weight")
         if cfg.sandwich_norms:
             layer.post_attn_norm = norm(p + "post_attention_norm.weight")
             layer.post_ffn_norm = norm(p + "post_ffw_norm.weight")

@@ -115,11 +115,9 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaWeigh
         moe = i in cfg.moe_layers
         mlp = {} if moe else _hf_mlp(cfg, take, p)
         layer = fuse_layer(
-            cfg, dtype, attn_norm=take(p + "input_layernorm.weight"), **_hf_qkv(cfg, take, p),
-            o=take(p + "self_attn.o_proj.weight"), ffn_norm=take(p + f"{ffn_norm}.weight"), **mlp,
+            cfg, dtype, attn_norm=norm(p + "input_layernorm.weight"), **_hf_qkv(cfg, take, p),
+            o=take(p + "self_attn.o_proj.weight"), ffn_norm=norm(p + f"{ffn_norm}.weight"), **mlp,
         )
-        if cfg.norm_offset:
-            layer.attn_norm, layer.ffn_norm = norm(p + "input_layernorm.weight"), norm(p + f"{ffn_norm}.weight")
         if cfg.sandwich_norms:
             layer.post_attn_norm = norm(p + "post_attention_layernorm.weight")
             layer.post_ffn_norm = norm(p + "post_feedforward_layernorm.weight")

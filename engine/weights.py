@@ -132,19 +132,27 @@ def _projection(parts: list, dtype: torch.dtype) -> Projection:
 
 
 def fuse_layer(cfg: ModelConfig, dtype: torch.dtype, **w) -> LayerWeights:
-    """A layer's weights, Q/K/V and gate/up fused; without ``gate`` (an MoE layer) no dense MLP."""
+    """A layer's weights, Q/K/V and gate/up fused; without ``gate`` (an MoE layer) no dense MLP.
+    Norms with `ModelConfig.norm_offset` stay float32 (the loader has added the offset)."""
     dense = "gate" in w
+    norm_dtype = torch.float32 if cfg.norm_offset else dtype
     return LayerWeights(
-        attn_norm=to_tensor(w["attn_norm"], dtype),
+        attn_norm=to_tensor(w["attn_norm"], norm_dtype),
         wqkv=_projection([w["q"], w["k"], w["v"]], dtype),
         wo=_projection([w["o"]], dtype),
-        ffn_norm=to_tensor(w["ffn_norm"], dtype),
+        ffn_norm=to_tensor(w["ffn_norm"], norm_dtype),
         w_gate_up=_projection([w["gate"], w["up"]], dtype) if dense else None,
         w_down=_projection([w["down"]], dtype) if dense else None,
     )
 
 
 def check_shapes(cfg: ModelConfig, w: LlamaWeights, path: Path) -> None:
+    """Check the embedding, head, layer 0's projections, biases and Q/K norms, and the first
+    dense layer's MLP against ``cfg``.
+
+    Raises:
+        ModelLoadError: a shape that differs, naming the tensor, its shape and the expected one.
+    """
     h, d = cfg.hidden_size, cfg.head_dim
     expected = {
         "embed": ((cfg.vocab_size, h), w.embed.shape),

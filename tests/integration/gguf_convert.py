@@ -155,6 +155,8 @@ def _llama3_rope_freqs(hf: dict) -> dict:
         return {}
     base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    # written out here as the converter has it, not taken from engine.models.gguf_config: the
+    # engine rebuilds the table to recover the scaling, and a shared bug would hide on both sides
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
     old = rope.get("original_max_position_embeddings", 8192)

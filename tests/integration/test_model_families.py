@@ -167,16 +167,17 @@ def hf_reference(path: Path) -> tuple[torch.Tensor, list[int]]:
 
 
 @torch.inference_mode()
-def engine_logits_and_greedy(path: Path) -> tuple[torch.Tensor, list[int]]:
-    """The engine's prompt logits (two chunks over a paged pool) and its greedy continuation
-    (one token per pass, through the pool)."""
+def engine_logits_and_greedy(path: Path, chunks=((0, SPLIT), (SPLIT, PROMPT_TOKENS))
+                             ) -> tuple[torch.Tensor, list[int]]:
+    """The engine's prompt logits (``chunks``, ``(start, end)`` token ranges, over a paged pool)
+    and its greedy continuation (one token per pass, through the pool)."""
     loaded = load_model(path, weights="fp32")
     ids = prompt()
     total = PROMPT_TOKENS + NEW_TOKENS
     pool = KVPool(loaded.config, CacheConfig(block_size=BLOCK, num_blocks=-(-total // BLOCK) + 1))
     table = pool.allocator.allocate(-(-total // BLOCK))
     rows = []
-    for start, end in ((0, SPLIT), (SPLIT, PROMPT_TOKENS)):
+    for start, end in chunks:
         batch = ForwardBatch.build([SeqChunk(ids[start:end], start, table, prompt_logits=True)], BLOCK)
         rows.append(loaded.model.forward(batch, pool))
     logits = torch.cat(rows)

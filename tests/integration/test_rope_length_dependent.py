@@ -104,16 +104,7 @@ def engine_pool(loaded, sequences: int = 1) -> KVPool:
 @torch.inference_mode()
 def engine_chunked(path: Path) -> tuple[torch.Tensor, list[int]]:
     """The engine's prompt logits over `CHUNKS` and its greedy continuation, one sequence."""
-    loaded = load_model(path, weights="fp32")
-    pool = engine_pool(loaded)
-    seq = EngineSeq(pool, families.prompt())
-    rows = [loaded.model.forward(ForwardBatch.build([seq.chunk(s, e)], BLOCK), pool) for s, e in CHUNKS]
-    logits = torch.cat(rows)
-    tokens = [int(logits[-1].argmax())]
-    for pos in range(PROMPT, PROMPT + NEW - 1):
-        batch = ForwardBatch.build([SeqChunk([tokens[-1]], pos, seq.table)], BLOCK)
-        tokens.append(int(loaded.model.forward(batch, pool)[-1].argmax()))
-    return logits, tokens
+    return families.engine_logits_and_greedy(path, CHUNKS)
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
