@@ -18,8 +18,9 @@ from deploy.launcher import WEIGHT_MODES
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--weights", default="fp32", choices=WEIGHT_MODES,
-                   help="fp32 (reference), bf16, or native: the GGUF's 4-bit projections as stored")
+    p.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
+                   help="auto (default: the checkpoint's own format where this machine runs it natively), "
+                        "fp32 (reference), bf16, or native: the GGUF's 4-bit projections as stored")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
 
 
@@ -49,24 +50,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def launcher_config(args: argparse.Namespace):
+    """The `deploy.launcher.LauncherConfig` that ``pdserve up`` flags describe.
+    Raises ValueError for settings that do not fit together (`LauncherConfig`)."""
+    from deploy.launcher import LauncherConfig
+
+    return LauncherConfig(
+        num_prefill=args.prefill, num_decode=args.decode, http_host=args.http_host,
+        http_port=args.http_port, registry_port=args.registry_port,
+        transfer_engine=args.transfer_engine, model=args.model, weights=args.weights,
+        num_blocks=args.num_blocks,
+        threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
+        grace_s=args.grace, serving_mode=args.serving_mode,
+        colocated_threshold_tokens=args.colocated_threshold_tokens,
+        cpu_affinity=args.cpu_affinity,
+        worker_args=("--prefix-caching",) if args.prefix_caching else (),
+        router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from deploy.launcher import Cluster, LauncherConfig, LaunchError
+    from deploy.launcher import Cluster, LaunchError
 
     try:
-        config = LauncherConfig(
-            num_prefill=args.prefill, num_decode=args.decode, http_host=args.http_host,
-            http_port=args.http_port, registry_port=args.registry_port,
-            transfer_engine=args.transfer_engine, model=args.model, weights=args.weights,
-            num_blocks=args.num_blocks,
-            threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
-            grace_s=args.grace, serving_mode=args.serving_mode,
-            colocated_threshold_tokens=args.colocated_threshold_tokens,
-            cpu_affinity=args.cpu_affinity,
-            worker_args=("--prefix-caching",) if args.prefix_caching else (),
-            router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
+        config = launcher_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -153,7 +162,8 @@ def _cpu_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected CPU numbers like 0,1: {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``pdserve``'s command line: the ``generate``, ``up`` and ``doctor`` subcommands."""
     ap = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer one prompt with the single-process engine")
@@ -183,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     u.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     u.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1)")
-    u.add_argument("--weights", default="fp32", choices=WEIGHT_MODES,
-                   help="every worker's weights: fp32 (reference), bf16, or native (the GGUF's 4-bit "
+    u.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
+                   help="every worker's weights: auto (default: the checkpoint's own format where this "
+                        "machine runs it natively: a 4-bit GGUF native, a bfloat16 checkpoint bf16 on a CPU "
+                        "with bfloat16 matmuls), fp32 (reference), bf16, or native (the GGUF's 4-bit "
                         "projections as stored)")
     u.add_argument("--serving-mode", default="disaggregated",
                    choices=["disaggregated", "colocated", "auto"],
@@ -193,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                         "while the prefill workers are backed up (router's --auto-prefill-backlog-tokens)")
     u.add_argument("--colocated-threshold-tokens", type=int, default=0,
                    help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
-    u.add_argument("--prefix-caching", action="store_true",
+    u.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching on every worker (recompute and resend only what no cache "
-                        "holds) and KV-aware routing (--policy kv unless --policy says otherwise)")
+                        "holds) and KV-aware routing (--policy kv unless --policy says otherwise); on by "
+                        "default, as in vLLM V1 and SGLang (a worker turns it off, and logs why, for a "
+                        "model whose rope depends on the sequence's length)")
     u.add_argument("--policy", default=None, choices=["load", "kv", "round_robin"],
-                   help="the router's placement policy (default: kv with --prefix-caching, else load)")
+                   help="the router's placement policy (default: kv with prefix caching, load with --no-prefix-caching)")
     u.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once up, send QUESTION through the OpenAI API and print the answer; keep serving")
     u.add_argument("--cpu-affinity", type=_cpu_list, default=(), metavar="CPU,CPU,...",
@@ -209,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--rdma-port", type=int, default=1)
     d.add_argument("--rdma-gid-index", type=int, default=-1, help="-1: let the engine choose")
     d.set_defaults(func=_doctor)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -38,8 +38,8 @@ from router.serving import SERVING_MODES, check_mode
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
 
 
-# The --weights modes (engine.config.WEIGHT_MODES, named here because deploy imports no torch).
-WEIGHT_MODES = ("fp32", "bf16", "native")
+# The --weights choices (engine.config.WEIGHT_CHOICES, named here because deploy imports no torch).
+WEIGHT_MODES = ("auto", "fp32", "bf16", "native")
 
 
 class LaunchError(RuntimeError):
@@ -57,7 +57,9 @@ class LauncherConfig:
         registry_port: the router's Registry gRPC port on 127.0.0.1 (0: a free port).
         transfer_engine: the workers' kvtransfer engine ("auto": shm between same-host peers).
         model: GGUF file or HF directory (None: the default SmolLM2-135M-Instruct).
-        weights: every worker's ``--weights`` ("fp32", "bf16", "native").
+        weights: every worker's ``--weights`` ("auto": the checkpoint's own format where the
+            machine runs it natively, `engine.loader.resolve_weights`; "fp32", the reference;
+            "bf16"; "native").
         num_blocks: KV pool blocks per worker (None: the worker default).
         threads: torch threads per worker.
         log_dir: where ``<name>.log`` files go (None: a new temporary directory).
@@ -79,7 +81,7 @@ class LauncherConfig:
     registry_port: int = 50050
     transfer_engine: str = "auto"
     model: str | None = None
-    weights: str = "fp32"
+    weights: str = "auto"
     num_blocks: int | None = None
     threads: int = 1
     log_dir: str | None = None

@@ -21,6 +21,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # docs/PERFORMANCE.md, "Attention dtype on the CPU").
 WEIGHT_MODES = {"fp32": "float32", "bf16": "bfloat16", "native": "float32"}
 KV_CACHE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "native": "bfloat16"}
+WEIGHT_CHOICES = ("auto", *WEIGHT_MODES)
+"""What ``--weights`` takes: a mode of `WEIGHT_MODES`, or "auto", resolved when the model loads
+(`engine.loader.resolve_weights`: the checkpoint's own format where this machine runs it natively)."""
 
 
 def weights_dtype(weights: str) -> str:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig, kv_cache_dtype, weights_dtype
+from engine.config import DTYPES, WEIGHT_CHOICES, CacheConfig, ModelConfig, SchedulerConfig, kv_cache_dtype, weights_dtype
 from engine.errors import ModelLoadError
 from engine.generator import Generator
 from engine.gguf_weights import load_gguf
@@ -20,6 +22,8 @@ from engine.models.registry import model_class
 from engine.tokenizer import Tokenizer
 from engine.modelfile import resolve_model_path
 from engine.weights import LlamaWeights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,12 +77,70 @@ def set_torch_threads(num_threads: int | None) -> None:
     torch.set_num_threads(max(1, n))
 
 
+def resolve_weights(weights: str, model: str | Path | None = None, device: str = "cpu") -> tuple[str, str]:
+    """The ``--weights`` mode to load ``model`` in, and why: ``weights`` itself unless it is
+    "auto", which picks the checkpoint's own format where this machine runs it natively (as vLLM's
+    ``--dtype auto`` takes the checkpoint's dtype):
+
+    - a GGUF file on the CPU whose projections are 4-bit (Q4_0, Q4_1, Q4_K: `engine.quant`):
+      "native", the blocks as stored (llama.cpp's way), when this torch has the int4 kernel;
+    - otherwise a checkpoint stored in 16 bits (a GGUF's F16 / BF16 / Q8_0 tensors, a Hugging
+      Face ``dtype`` / ``torch_dtype`` of bfloat16 or float16): "bf16" on CUDA, or on a CPU that
+      multiplies bfloat16 natively (AVX512-BF16, AMX; `engine.linear.bf16_matmul_fast`), else "fp32";
+    - a float32 checkpoint, or one that names no dtype: "fp32", the reference mode.
+
+    Returns:
+        ``(mode, reason)``: a key of `engine.config.WEIGHT_MODES` and one line for the log.
+    Raises:
+        ValueError: ``weights`` is not one of `WEIGHT_CHOICES`.
+        ModelLoadError: the model path does not exist; a config.json that cannot be read; a
+            dtype field naming a dtype the engine does not serve (the field is named).
+    """
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    if weights != "auto":
+        return weights, "asked for"
+    from engine.linear import bf16_matmul_fast
+
+    path = resolve_model_path(model)
+    cuda = torch.device(device).type == "cuda"
+    bf16_ok = cuda or bf16_matmul_fast()
+    if path.is_dir():
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
+        text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+        field = "dtype" if text.get("dtype") is not None else "torch_dtype"
+        stored = text.get(field) or "float32"
+        if stored not in DTYPES:
+            raise ModelLoadError(f"config.json: {field}={stored!r} is not a dtype the engine serves ({sorted(DTYPES)})")
+        if stored == "float32":
+            return "fp32", f"the checkpoint's {field} is float32"
+        if not bf16_ok:
+            return "fp32", f"{stored} checkpoint, but this CPU has no native bfloat16 matmuls"
+        return "bf16", f"the checkpoint's {field} is {stored}"
+    from engine.modelfile import gguf_reader
+    from engine.quant import NATIVE_TYPES, int4_kernel_available
+
+    kinds = {t.tensor_type.name for t in gguf_reader(path).tensors}
+    native = sorted(kinds & NATIVE_TYPES)
+    if native and not cuda and int4_kernel_available():
+        return "native", f"GGUF with {'/'.join(native)} projections, run as stored"
+    if kinds <= {"F32"}:
+        return "fp32", "float32 GGUF"
+    if not bf16_ok:
+        return "fp32", f"{'/'.join(sorted(kinds - {'F32'}))} GGUF, but this CPU has no native bfloat16 matmuls"
+    return "bf16", f"{'/'.join(sorted(kinds - {'F32'}))} GGUF"
+
+
 def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu",
                gemv_copies: bool = True) -> LoadedModel:
     """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
 
     Args:
-        weights: "fp32", "bf16" or "native" (`engine.config.WEIGHT_MODES`).
+        weights: "fp32", "bf16" or "native" (`engine.config.WEIGHT_MODES`), or "auto"
+            (`resolve_weights`; the choice is logged and kept in ``LoadedModel.weights``).
         device: "cpu" or "cuda[:n]" (weights are moved there; matmuls use ``F.linear``).
         gemv_copies: keep float32 projections' plain weights for one-row inputs too
             (`engine.linear.Linear`): faster batch-1 decode, a second copy of them in memory;
@@ -92,6 +154,9 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
             several times slower than fp32; docs/PERFORMANCE.md, "bf16 mode without native
             bfloat16 matmuls"); a CUDA device on a machine without one.
     """
+    if weights == "auto":
+        weights, why = resolve_weights(weights, model, device)
+        log.info("--weights auto: %s (%s)", weights, why)
     dtype = weights_dtype(weights)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -90,6 +90,19 @@ def validate_request(prompt_token_ids: Seq[int], params: SamplingParams, max_pos
                                   f"{len(prompt_token_ids)} tokens")
 
 
+def prefix_caching_conflict(config) -> str | None:
+    """Why a model (its `engine.config.ModelConfig`) cannot share cached KV blocks between
+    sequences, or None when it can: a rope type whose rotation depends on the sequence's length
+    (`engine.models.rope.LENGTH_DEPENDENT`) rotates a cached block's keys for the length of the
+    sequence that wrote them, not of the one reusing them. Workers turn prefix caching off for
+    such a model, and log this reason."""
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type in LENGTH_DEPENDENT:
+        return (f"prefix caching cannot serve rope_type={scaling.rope_type!r}: its keys are rotated for the "
+                "length of the sequence that wrote them")
+    return None
+
+
 class ModelRunner:
     """Forward passes of one model over one KV pool (module doc for the call order).
 
@@ -105,10 +118,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, pool: KVPool, prefix_caching: bool = False):
-        scaling = model.config.rope_scaling
-        if prefix_caching and scaling is not None and scaling.rope_type in LENGTH_DEPENDENT:
-            raise ValueError(f"prefix caching cannot serve rope_type={scaling.rope_type!r}: its keys are rotated for "
-                             "the length of the sequence that wrote them; run without --prefix-caching")
+        reason = prefix_caching_conflict(model.config)
+        if prefix_caching and reason:
+            raise ValueError(f"{reason}; run without --prefix-caching")
         self.model = model
         self.pool = pool
         self.prefix_caching = prefix_caching

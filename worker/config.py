@@ -36,7 +36,8 @@ class WorkerConfig:
         worker_id: unique name (default: role-hostname-random).
         model: GGUF file or HF directory (None: SmolLM2-135M-Instruct).
         weights: "fp32", "bf16" or "native" (the GGUF's 4-bit projections as stored; bfloat16
-            activations and KV pool): `engine.config.WEIGHT_MODES`. Prefill and decode workers
+            activations and KV pool): `engine.config.WEIGHT_MODES`; or "auto", resolved when the
+            model loads (`engine.loader.resolve_weights`). Prefill and decode workers
             of one cluster must agree (it is part of the compatibility hash).
         device: "cpu" or "cuda[:n]": where weights and the KV pool live. A CUDA pool is registered
             for GPUDirect RDMA and needs the verbs transfer engine.
@@ -127,7 +128,8 @@ class WorkerConfig:
         for name in ("heartbeat_interval_s", "transfer_timeout_s", "prefill_timeout_s", "quarantine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        weights_dtype(self.weights)   # ValueError for an unknown mode
+        if self.weights != "auto":   # auto: resolved when the model loads (`worker.runtime.build_resources`)
+            weights_dtype(self.weights)   # ValueError for an unknown mode
         if self.weights == "native" and self.device != "cpu":
             raise ValueError("native (4-bit) weights run on the CPU only; use --weights bf16 on CUDA")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -12,6 +12,7 @@ Lifecycle of a worker process (`serve`):
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,8 @@ import torch
 
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
-from engine.loader import LoadedModel, load_model, set_torch_threads
+from engine.loader import LoadedModel, load_model, resolve_weights, set_torch_threads
+from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
                         allocate_shared_buffer, create_engine)
 from kvtransfer.endpoint import local_host_id
@@ -96,8 +98,16 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         ModelLoadError, kvtransfer.EngineUnavailableError, ValueError.
     """
     set_torch_threads(config.threads)
+    if config.weights == "auto" and loaded is None:
+        weights, why = resolve_weights("auto", config.model, config.device)
+        log.info("--weights auto: %s (%s)", weights, why)
+        config = dataclasses.replace(config, weights=weights)
     loaded = loaded or load_model(config.model, config.weights, config.device,
                                  gemv_copies=config.role != "prefill")
+    reason = prefix_caching_conflict(loaded.config)
+    if config.prefix_caching and reason:
+        log.warning("prefix caching turned off: %s", reason)
+        config = dataclasses.replace(config, prefix_caching=False)
     cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks, dtype=config.kv_dtype)
     nbytes = KVPool.nbytes_for(loaded.config, cache)
     shared = None

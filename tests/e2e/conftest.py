@@ -32,8 +32,9 @@ SHARED = {
 TOPOLOGIES = ("1p1d-auto", "2p2d-tcp")   # the `cluster` fixture's, for modules that do not define one
 
 def start_cluster(log_dir: Path, **overrides) -> Cluster:
-    config = LauncherConfig(http_port=0, registry_port=0, num_blocks=NUM_BLOCKS, log_dir=str(log_dir),
-                            startup_timeout_s=240, grace_s=15, **overrides)
+    settings = dict(http_port=0, registry_port=0, weights="fp32", num_blocks=NUM_BLOCKS, log_dir=str(log_dir),
+                    startup_timeout_s=240, grace_s=15)   # fp32: the reference mode the token checks use
+    config = LauncherConfig(**{**settings, **overrides})
     cluster_starts.started += 1
     print(f"\n[e2e] cluster #{cluster_starts.started} starting: {overrides}", flush=True)
     return Cluster(config).start()

@@ -60,7 +60,7 @@ def _decode_counters(url: str) -> dict:
 @pytest.fixture(scope="module")
 def verbs_cluster(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("verbs-cluster")
-    config = LauncherConfig(http_port=0, registry_port=0, num_blocks=128, log_dir=str(log_dir),
+    config = LauncherConfig(http_port=0, registry_port=0, weights="fp32", num_blocks=128, log_dir=str(log_dir),
                             transfer_engine="verbs", startup_timeout_s=STARTUP_S, grace_s=20,
                             # one attempt: a retry after the kill would reserve blocks that the dead
                             # prefill never wrote, which stay quarantined by design (no writer known)

@@ -71,7 +71,7 @@ def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
 
 
 def test_worker_that_does_not_come_up_is_named_with_its_log(tmp_path):
-    config = LauncherConfig(http_port=0, registry_port=0, log_dir=str(tmp_path), startup_timeout_s=120,
+    config = LauncherConfig(http_port=0, registry_port=0, weights="fp32", log_dir=str(tmp_path), startup_timeout_s=120,
                             worker_args=("--max-num-seqs", "0"))
     cluster = Cluster(config)
     with pytest.raises(LaunchError) as err:

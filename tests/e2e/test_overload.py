@@ -74,7 +74,7 @@ class AbortProbe(threading.Thread):
 @pytest.fixture(scope="module")
 def up_cluster(tmp_path_factory):
     """The cluster ``pdserve up`` starts: no pool or limit overridden."""
-    config = LauncherConfig(http_port=0, registry_port=0, log_dir=str(tmp_path_factory.mktemp("overload")),
+    config = LauncherConfig(http_port=0, registry_port=0, weights="fp32", log_dir=str(tmp_path_factory.mktemp("overload")),
                             startup_timeout_s=240, grace_s=15)
     c = Cluster(config).start()
     yield c

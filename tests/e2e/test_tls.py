@@ -41,7 +41,7 @@ def test_cluster_over_tls_serves_and_refuses_plaintext_and_strangers(certs, tmp_
     one whose certificate another CA signed are all refused at the handshake."""
     (cert, key, ca), (other_cert, other_key, _) = certs
     flags = ("--tls-cert", cert, "--tls-key", key, "--tls-ca", ca)
-    config = LauncherConfig(http_port=0, registry_port=0, num_blocks=256, log_dir=str(tmp_path),
+    config = LauncherConfig(http_port=0, registry_port=0, weights="fp32", num_blocks=256, log_dir=str(tmp_path),
                             router_args=flags, worker_args=flags, startup_timeout_s=240)
     with Cluster(config).start() as cluster:
         r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={

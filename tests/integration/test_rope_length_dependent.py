@@ -16,6 +16,7 @@ short one with the long one's frequencies).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,11 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool
 from engine.loader import load_model
+from engine.runner import ModelRunner
 from engine.tokenizer import Tokenizer
 from tests.integration import test_model_families as families
+from worker.config import WorkerConfig
+from worker.runtime import build_resources
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
 pytestmark = pytest.mark.integration
@@ -196,3 +200,22 @@ def test_each_sequence_of_a_batch_is_rotated_for_its_own_length(checkpoint):
         last_a = int(out[0].argmax())
         tokens.append(int(out[1].argmax()))
     assert tokens == want_tokens
+
+
+def test_a_worker_turns_prefix_caching_off_for_it_and_logs_why(checkpoint, caplog):
+    """The runner refuses prefix caching for these rope types; a worker asked for it (as ``pdserve
+    up`` asks by default) serves without, and its log says why."""
+    name, path, _ = checkpoint
+    loaded = load_model(path, weights="fp32")
+    with pytest.raises(ValueError, match="prefix caching cannot serve"):
+        ModelRunner(loaded.model, engine_pool(loaded), prefix_caching=True)
+    config = WorkerConfig(role="prefill", model=str(path), weights="fp32", prefix_caching=True,
+                          transfer_engine="tcp", num_blocks=64)
+    with caplog.at_level(logging.WARNING, logger="worker.runtime"):
+        res = build_resources(config, loaded=loaded)
+    try:
+        assert res.config.prefix_caching is False
+        assert "prefix caching turned off" in caplog.text
+        assert CHECKPOINTS[name][2]["rope_type"] in caplog.text
+    finally:
+        res.close()

@@ -128,7 +128,7 @@ def test_lm_head_near_ties_are_decided_by_the_exact_logits():
 def test_weights_modes_and_the_compatibility_hash():
     assert [weights_dtype(m) for m in ("fp32", "bf16", "native")] == ["float32", "bfloat16", "float32"]
     from deploy.launcher import WEIGHT_MODES
-    assert set(WEIGHT_MODES) == set(engine_config.WEIGHT_MODES)   # the torch-free copy agrees
+    assert WEIGHT_MODES == engine_config.WEIGHT_CHOICES   # the torch-free copy agrees
     with pytest.raises(ValueError):
         weights_dtype("int4")
     cfg = ModelConfig(name="m", vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=1,

@@ -1,0 +1,64 @@
+"""What a newcomer gets: ``pdserve up``'s defaults, and ``--weights auto``'s choice per checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deploy.cli import build_parser, launcher_config
+from engine.errors import ModelLoadError
+from engine.linear import bf16_matmul_fast
+from engine.loader import resolve_weights
+from engine.quant import int4_kernel_available
+from worker.config import WorkerConfig
+
+
+def _hf_dir(tmp_path, **fields):
+    tmp_path.mkdir()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    return tmp_path
+
+
+def test_pdserve_up_defaults_to_auto_weights_and_prefix_caching_with_kv_routing():
+    config = launcher_config(build_parser().parse_args(["up"]))
+    assert config.weights == "auto"
+    assert "--prefix-caching" in config.worker_args
+    assert config.router_args == ("--policy", "kv")
+
+
+def test_no_prefix_caching_turns_it_off_and_routes_by_load():
+    config = launcher_config(build_parser().parse_args(["up", "--no-prefix-caching", "--weights", "fp32"]))
+    assert config.weights == "fp32"
+    assert "--prefix-caching" not in config.worker_args
+    assert config.router_args == ("--policy", "load")
+
+
+@pytest.mark.skipif(not int4_kernel_available(), reason="this torch build has no CPU int4 kernel")
+def test_auto_runs_the_default_4bit_gguf_as_stored_on_the_cpu():
+    mode, why = resolve_weights("auto")
+    assert mode == "native" and "Q4_1" in why
+    assert resolve_weights("auto", device="cuda")[0] == "bf16"   # no int4 kernel there
+
+
+def test_auto_takes_a_hugging_face_checkpoints_dtype(tmp_path):
+    bf16 = "bf16" if bf16_matmul_fast() else "fp32"
+    assert resolve_weights("auto", _hf_dir(tmp_path / "a", dtype="bfloat16"))[0] == bf16
+    assert resolve_weights("auto", _hf_dir(tmp_path / "b", torch_dtype="float16"))[0] == bf16
+    assert resolve_weights("auto", _hf_dir(tmp_path / "c", torch_dtype="bfloat16"), device="cuda")[0] == "bf16"
+    assert resolve_weights("auto", _hf_dir(tmp_path / "d", torch_dtype="float32"))[0] == "fp32"
+    assert resolve_weights("auto", _hf_dir(tmp_path / "e"))[0] == "fp32"   # no dtype: the reference
+
+
+def test_auto_refuses_a_dtype_it_does_not_serve_naming_the_field(tmp_path):
+    with pytest.raises(ModelLoadError, match="torch_dtype='float8_e4m3fn'"):
+        resolve_weights("auto", _hf_dir(tmp_path / "f", torch_dtype="float8_e4m3fn"))
+
+
+def test_an_explicit_mode_is_kept_and_an_unknown_one_refused(tmp_path):
+    assert resolve_weights("fp32", _hf_dir(tmp_path / "g", dtype="bfloat16")) == ("fp32", "asked for")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        resolve_weights("int4")
+    assert WorkerConfig(role="prefill", weights="auto").weights == "auto"   # resolved at load
+    with pytest.raises(ValueError, match="weights must be one of"):
+        WorkerConfig(role="prefill", weights="int4")
