@@ -101,6 +101,7 @@ class DecodeWorker:
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens,
                                              prefix_caching=c.prefix_caching,
+                                             parallel_min_tokens=c.parallel_min_tokens,
                                              prefill_batch_tokens=(c.prefill_batch_tokens or default_batch_tokens(
                                                  c.device, c.max_num_batched_tokens))),
                              grammars=Grammars(tok, tok.stop_token_ids) if tok is not None else None)

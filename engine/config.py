@@ -272,6 +272,8 @@ class SchedulerConfig:
             the prompt tokens of the pass stay within this (the throughput knee,
             `engine.scheduling.PassBudget`); None: up to the step's budget (one pass takes as
             many prompts as fit).
+        parallel_min_tokens: passes of fewer tokens run on one torch thread, longer ones on all
+            the process's threads (`engine.runner.ModelRunner`); 0: every pass on all of them.
     """
 
     max_num_seqs: int = 64
@@ -280,8 +282,11 @@ class SchedulerConfig:
     prefix_caching: bool = False
     prefill_order: str = "hrrn"
     prefill_batch_tokens: int | None = None
+    parallel_min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.parallel_min_tokens < 0:
+            raise ValueError(f"parallel_min_tokens must be >= 0, got {self.parallel_min_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

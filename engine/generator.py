@@ -99,7 +99,7 @@ class Generator:
         check_pool(model, pool)
         self.model = model
         self.pool = pool
-        self.runner = ModelRunner(model, pool, scheduler.prefix_caching)
+        self.runner = ModelRunner(model, pool, scheduler.prefix_caching, scheduler.parallel_min_tokens)
         self.tokenizer = tokenizer
         self.config = scheduler
         self.waiting: deque[Sequence] = deque()

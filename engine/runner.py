@@ -111,16 +111,29 @@ class ModelRunner:
         pool: the `KVPool`; the runner allocates from its allocator (shared with the caller,
             who may reserve blocks of its own, as the decode worker does).
         prefix_caching: take cached prefixes and register computed full blocks.
+        parallel_min_tokens: a pass of fewer tokens runs on one torch thread, a longer one on
+            the ``torch.get_num_threads()`` the process had when the runner was built; 0: every
+            pass on all of them. A pass is a few hundred operators, each ending at a barrier of
+            all its threads (intra-op parallelism: OpenMP); a short pass (a decode step) has too
+            little work per operator to gain from a second thread and waits at every barrier
+            for a thread that another process (the router, a client, a second worker) has
+            descheduled from a shared core, while a long pass (a prompt chunk) gains (measured:
+            docs/PERFORMANCE.md, "Threads per pass").
     Raises:
         ValueError: ``prefix_caching`` with a rope type whose rotation depends on the sequence's
             length (`engine.models.rope.LENGTH_DEPENDENT`: a cached block's keys would carry the
             rotation of the sequence that wrote them, not of the one reusing them).
     """
 
-    def __init__(self, model: CausalLM, pool: KVPool, prefix_caching: bool = False):
+    def __init__(self, model: CausalLM, pool: KVPool, prefix_caching: bool = False,
+                 parallel_min_tokens: int = 0):
         reason = prefix_caching_conflict(model.config)
         if prefix_caching and reason:
             raise ValueError(f"{reason}; run without --prefix-caching")
+        if parallel_min_tokens < 0:
+            raise ValueError(f"parallel_min_tokens must be >= 0, got {parallel_min_tokens}")
+        self.threads = torch.get_num_threads()
+        self.parallel_min_tokens = parallel_min_tokens
         self.model = model
         self.pool = pool
         self.prefix_caching = prefix_caching
@@ -215,12 +228,21 @@ class ModelRunner:
         the model's forward raises (the pass is then lost for every chunk in it).
         """
         batch = ForwardBatch.build([c for _, c in scheduled], self.pool.block_size)
+        self.set_pass_threads(batch.input_ids.numel())
         logits = self.model.forward(batch, self.pool, on_layer_done=on_layer_done)
         for (seq, chunk), (first, rows) in zip(scheduled, batch.logits_spans):
             if chunk.prompt_logits:
                 seq.prompt_logprobs += prompt_logprobs_of(logits[first:first + rows], seq.prompt_token_ids,
                                                           chunk.start, seq.params.prompt_logprobs)
         return batch.sampling_logits(logits)
+
+    def set_pass_threads(self, num_tokens: int) -> int:
+        """Set torch's thread count for a pass of ``num_tokens`` tokens (``parallel_min_tokens``
+        above); returns it."""
+        want = self.threads if num_tokens >= self.parallel_min_tokens else 1
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+        return want
 
     def advance(self, seq: RunnerSeq, num_tokens: int, register: bool = True) -> None:
         """Count ``num_tokens`` more of ``seq`` as computed; with prefix caching and

@@ -41,7 +41,8 @@ class PdservePeer:
         self.command: list[str] | None = None
 
     def start(self) -> str:
-        up = [*shlex.split(self.args.up_args), "--cpu-affinity", self.args.cpus]
+        # --up-args last: its own --cpu-affinity (e.g. '' for none) overrides the pinning
+        up = ["--cpu-affinity", self.args.cpus, *shlex.split(self.args.up_args)]
         self.server = Server(shlex.split(self.args.pdserve_cmd), up, self.args.startup_timeout)
         self.command = self.server.argv
         print(f"[{self.name}] {shlex.join(self.command)}", flush=True)

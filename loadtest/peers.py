@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("servers (run in the order given, pdserve first)")
     s.add_argument("--no-pdserve", action="store_true", help="run the peers only")
     s.add_argument("--pdserve-cmd", default=".venv/bin/pdserve", help="command that runs pdserve")
-    s.add_argument("--up-args", default="--prefill 1 --decode 1 --weights native --serving-mode auto",
-                   help="`pdserve up` flags (ports and --cpu-affinity are added)")
+    s.add_argument("--up-args", default="",
+                   help="`pdserve up` flags beyond its defaults (ports and --cpu-affinity CPUS are added "
+                        "before them: --cpu-affinity '' here leaves the workers unpinned)")
     s.add_argument("--llama-server", action=_PeerAction, const="llama-server", metavar="PATH",
                    default=argparse.SUPPRESS,
                    help="a llama.cpp llama-server binary (bash deploy/build-llama-server.sh)")

@@ -71,7 +71,7 @@ class PrefillWorker:
         self.res = res
         c = res.config
         check_pool(res.loaded.model, res.pool)
-        self.runner = ModelRunner(res.loaded.model, res.pool, c.prefix_caching)
+        self.runner = ModelRunner(res.loaded.model, res.pool, c.prefix_caching, c.parallel_min_tokens)
         self._lock = threading.Condition()
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}

@@ -62,6 +62,10 @@ class WorkerConfig:
         warmup_chunk_tokens: prefill with prefix caching: most tokens per forward pass of a
             prefix-cache warm-up (`prefill.worker`; a prefill arriving stops the pass).
         threads: torch threads of this process.
+        parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
+            thread (a decode step's small operators gain nothing from a second thread and wait
+            at each operator's barrier for a thread another process took off a shared core),
+            longer ones on all ``threads`` (`engine.runner.ModelRunner`); 0: every pass on all.
         transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
         transfer_port: port of the data-plane listener (0: ephemeral).
         max_write_bytes: largest single KV write (bytes); writes are split above it.
@@ -94,6 +98,7 @@ class WorkerConfig:
     prefix_caching: bool = False
     warmup_chunk_tokens: int = 128
     threads: int = 1
+    parallel_min_tokens: int = 64
     transfer_engine: str = "auto"
     transfer_port: int = 0
     max_write_bytes: int = 4 << 20
@@ -122,6 +127,8 @@ class WorkerConfig:
                      "max_write_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.parallel_min_tokens < 0:
+            raise ValueError(f"parallel_min_tokens must be >= 0, got {self.parallel_min_tokens}")
         if self.prefill_batch_tokens < 0:
             raise ValueError(f"prefill_batch_tokens must be >= 0 (0: the device's default), "
                              f"got {self.prefill_batch_tokens}")

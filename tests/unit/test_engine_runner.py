@@ -195,3 +195,28 @@ def test_the_pool_must_fit_the_model_and_the_registry_names_its_families(model):
     assert model_class("llama") is LlamaModel and "llama" in ARCHITECTURES
     with pytest.raises(ModelLoadError, match="'gpt2'"):
         model_class("gpt2")
+
+
+def test_short_passes_run_on_one_thread_and_long_ones_on_all(model):
+    """``parallel_min_tokens``: a pass of fewer tokens (a decode step) runs on one torch thread, a
+    longer one (a prompt chunk) on the threads the process had when the runner was built; the
+    logits do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(model, KVPool(TINY, CacheConfig(block_size=BS, num_blocks=32)), False,
+                             parallel_min_tokens=8)
+        seen = []
+        long_seq, short_seq = _Seq(list(range(1, 9))), _Seq(list(range(1, 8)))
+        for seq in (long_seq, short_seq):
+            assert runner.grow(seq, len(seq.prompt_token_ids))
+            chunk = SeqChunk(seq.prompt_token_ids, 0, seq.block_table)
+            runner.execute([(seq, chunk)], on_layer_done=lambda i: seen.append(torch.get_num_threads()))
+        assert seen == [2] * TINY.num_layers + [1] * TINY.num_layers
+        torch.set_num_threads(2)
+        everything = ModelRunner(model, KVPool(TINY, CacheConfig(block_size=BS, num_blocks=32)), False)
+        assert everything.set_pass_threads(1) == 2
+        with pytest.raises(ValueError, match="parallel_min_tokens"):
+            ModelRunner(model, KVPool(TINY, CacheConfig(block_size=BS, num_blocks=32)), parallel_min_tokens=-1)
+    finally:
+        torch.set_num_threads(before)
