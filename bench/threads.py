@@ -1,0 +1,144 @@
+"""Forward-pass time per phase and batch size on 1 and 2 torch threads, alone and beside a busy
+neighbour, and with threads chosen per pass (`engine.runner.ModelRunner`'s ``parallel_min_tokens``).
+
+    python -m bench.threads [--weights native] [--reps 7] [--json PATH]
+
+Each row times one kind of pass of the default model through a `ModelRunner` (median of
+``--reps``, after a warm-up): a prefill chunk of 256 prompt tokens, and decode steps of 1, 8 and
+32 sequences with 256-token contexts. Columns, side by side in one run:
+
+- ``1t``: one thread;
+- ``2t``: two threads, the machine otherwise idle;
+- ``2t+busy``: two threads while another process spins on CPU 0 (what a serving worker meets:
+  the router, the HTTP clients, a second worker share the cores);
+- ``1t+busy``: one thread pinned to CPU 1 beside that neighbour;
+- ``per pass+busy``: two threads for passes of at least ``--parallel-min-tokens`` tokens, one
+  below (the workers' default), beside the neighbour.
+
+The neighbour is a Python busy loop in a subprocess pinned to CPU 0 (named ``bench-neighbour``,
+stopped at the end). Needs at least 2 CPUs. There is no compiled column: the engine has no
+compiled step yet (docs/PERFORMANCE.md says so where it matters).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench.common import arg_parser, write_json
+from engine.attention import ForwardBatch, SeqChunk
+from engine.config import CacheConfig
+from engine.kv_cache import KVPool
+from engine.loader import load_model
+from engine.runner import ModelRunner
+
+CONTEXT = 256
+BS = 16
+
+
+class Neighbour:
+    """A busy-looping Python process named ``bench-neighbour`` (its argv[0]), pinned to
+    ``cpu``; `stop` kills it and waits for it."""
+
+    def __init__(self, cpu: int):
+        self.proc = subprocess.Popen(["bench-neighbour", "-c", "while True: pass"], executable=sys.executable)
+        os.sched_setaffinity(self.proc.pid, {cpu})
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def time_passes(runner: ModelRunner, pool: KVPool, reps: int, context: int = CONTEXT,
+                batches: tuple[int, ...] = (1, 8, 32)) -> dict[str, float]:
+    """Median seconds of each pass kind (module docstring) through ``runner`` over ``pool``:
+    ``"prefill <context>"`` and ``"decode x<batch>"``; the blocks taken are given back."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, runner.model.config.vocab_size, (context,), generator=gen).tolist()
+    per_seq = -(-(context + 1) // pool.block_size)
+    out = {}
+    for batch in batches:
+        chunks = [SeqChunk(prompt, 0, pool.allocator.allocate(per_seq)) for _ in range(batch)]
+        try:
+            for c in chunks:   # each context computed once
+                _run(runner, pool, [c])
+            step = [SeqChunk([prompt[0]], context, c.block_table) for c in chunks]
+            out[f"decode x{batch}"] = _median(lambda: _run(runner, pool, step), reps)
+            if batch == 1:
+                out[f"prefill {context}"] = _median(lambda: _run(runner, pool, chunks), reps)
+        finally:
+            for c in chunks:
+                pool.allocator.free(c.block_table)
+    return out
+
+
+def _run(runner: ModelRunner, pool: KVPool, chunks: list[SeqChunk]) -> None:
+    batch = ForwardBatch.build(chunks, pool.block_size)
+    runner.set_pass_threads(batch.input_ids.numel())
+    runner.model.forward(batch, pool)
+
+
+def _median(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> dict:
+    ap = arg_parser("bench.threads", __doc__)
+    ap.add_argument("--weights", default="native")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--parallel-min-tokens", type=int, default=64)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if len(os.sched_getaffinity(0)) < 2:
+        print("error: needs at least 2 CPUs", file=sys.stderr)
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    torch.set_num_threads(2)
+    loaded = load_model(None, weights=args.weights)
+    pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=32 * 20, dtype=loaded.kv_dtype))
+    columns = {}
+
+    def run(name, threads, per_pass=0, busy=False, pin=None):
+        torch.set_num_threads(threads)
+        runner = ModelRunner(loaded.model, pool, parallel_min_tokens=per_pass)
+        neighbour = Neighbour(cpus[0]) if busy else None
+        old = os.sched_getaffinity(0)
+        try:
+            if pin is not None:
+                os.sched_setaffinity(0, {pin})
+            columns[name] = time_passes(runner, pool, args.reps)
+        finally:
+            os.sched_setaffinity(0, old)
+            if neighbour:
+                neighbour.stop()
+
+    run("1t", 1)
+    run("2t", 2)
+    run("2t+busy", 2, busy=True)
+    run("1t+busy", 1, busy=True, pin=cpus[1])
+    run("per pass+busy", 2, per_pass=args.parallel_min_tokens, busy=True)
+    rows = list(columns["1t"])
+    print(f"weights {args.weights}; ms per pass (median of {args.reps}); torch {torch.__version__}")
+    print("| pass | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for r in rows:
+        print(f"| {r} | " + " | ".join(f"{columns[c][r] * 1e3:.1f}" for c in columns) + " |")
+    result = {"weights": args.weights, "reps": args.reps, "parallel_min_tokens": args.parallel_min_tokens,
+              "seconds": columns}
+    if args.json:
+        write_json(args.json, result, args)
+    return result
+
+
+if __name__ == "__main__":
+    main()

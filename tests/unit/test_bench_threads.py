@@ -1,0 +1,39 @@
+"""`bench.threads`: its pass timings give every block back, and its busy neighbour process has a
+name and stops."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.threads import Neighbour, time_passes
+from engine.config import CacheConfig
+from engine.kv_cache import KVPool
+from engine.runner import ModelRunner
+from tests.unit.test_engine_runner import TINY, _model
+
+pytestmark = pytest.mark.unit
+
+
+def test_time_passes_times_each_pass_kind_and_frees_its_blocks():
+    pool = KVPool(TINY, CacheConfig(block_size=4, num_blocks=64))
+    seconds = time_passes(ModelRunner(_model(), pool, parallel_min_tokens=8), pool, reps=2, context=12,
+                          batches=(1, 3))
+    assert set(seconds) == {"decode x1", "prefill 12", "decode x3"}
+    assert all(s > 0 for s in seconds.values())
+    assert pool.allocator.num_free == 64
+
+
+def test_the_neighbour_is_named_pinned_and_stopped():
+    cpu = min(os.sched_getaffinity(0))
+    n = Neighbour(cpu)
+    try:
+        cmdline = Path(f"/proc/{n.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[0] == b"bench-neighbour"
+        assert os.sched_getaffinity(n.proc.pid) == {cpu}
+    finally:
+        n.stop()
+    assert n.proc.returncode is not None
+    assert not Path(f"/proc/{n.proc.pid}").exists()
