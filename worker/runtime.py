@@ -98,9 +98,12 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         ModelLoadError, kvtransfer.EngineUnavailableError, ValueError.
     """
     set_torch_threads(config.threads)
-    if config.weights == "auto" and loaded is None:
-        weights, why = resolve_weights("auto", config.model, config.device)
-        log.info("--weights auto: %s (%s)", weights, why)
+    if config.weights == "auto":   # resolved here, once, and kept in the config (compatibility hash)
+        if loaded is None:
+            weights, why = resolve_weights("auto", config.model, config.device)
+            log.info("--weights auto: %s (%s)", weights, why)
+        else:
+            weights = loaded.weights
         config = dataclasses.replace(config, weights=weights)
     loaded = loaded or load_model(config.model, config.weights, config.device,
                                  gemv_copies=config.role != "prefill")

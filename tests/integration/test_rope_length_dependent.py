@@ -209,12 +209,13 @@ def test_a_worker_turns_prefix_caching_off_for_it_and_logs_why(checkpoint, caplo
     loaded = load_model(path, weights="fp32")
     with pytest.raises(ValueError, match="prefix caching cannot serve"):
         ModelRunner(loaded.model, engine_pool(loaded), prefix_caching=True)
-    config = WorkerConfig(role="prefill", model=str(path), weights="fp32", prefix_caching=True,
-                          transfer_engine="tcp", num_blocks=64)
+    config = WorkerConfig(role="prefill", model=str(path), weights="auto", prefix_caching=True,
+                          transfer_engine="tcp", num_blocks=64)   # auto: the mode ``loaded`` has
     with caplog.at_level(logging.WARNING, logger="worker.runtime"):
         res = build_resources(config, loaded=loaded)
     try:
         assert res.config.prefix_caching is False
+        assert res.config.weights == "fp32"
         assert "prefix caching turned off" in caplog.text
         assert CHECKPOINTS[name][2]["rope_type"] in caplog.text
     finally:
