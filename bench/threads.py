@@ -1,7 +1,7 @@
 """Forward-pass time per phase and batch size on 1 and 2 torch threads, alone and beside a busy
 neighbour, and with threads chosen per pass (`engine.runner.ModelRunner`'s ``parallel_min_tokens``).
 
-    python -m bench.threads [--weights native] [--reps 7] [--json PATH]
+    python -m bench.threads [--weights native] [--reps 7] [--compiled] [--json PATH]
 
 Each row times one kind of pass of the default model through a `ModelRunner` (median of
 ``--reps``, after a warm-up): a prefill chunk of 256 prompt tokens, and decode steps of 1, 8 and
@@ -15,9 +15,12 @@ Each row times one kind of pass of the default model through a `ModelRunner` (me
 - ``per pass+busy``: two threads for passes of at least ``--parallel-min-tokens`` tokens, one
   below (the workers' default), beside the neighbour.
 
+- with ``--compiled``: ``compiled 1t`` / ``compiled 2t``, the same passes through the compiled
+  layers (`engine.compiled`), and the seconds their graphs took to build (printed and in the JSON;
+  a second run finds inductor's caches on disk).
+
 The neighbour is a Python busy loop in a subprocess pinned to CPU 0 (named ``bench-neighbour``,
-stopped at the end). Needs at least 2 CPUs. There is no compiled column: the engine has no
-compiled step yet (docs/PERFORMANCE.md says so where it matters).
+stopped at the end). Needs at least 2 CPUs.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--weights", default="native")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--parallel-min-tokens", type=int, default=64)
+    ap.add_argument("--compiled", action="store_true",
+                    help="also the compiled layers (engine.compiled) on 1 and 2 threads, and their build time")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
@@ -108,9 +113,9 @@ def main(argv=None) -> dict:
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=32 * 20, dtype=loaded.kv_dtype))
     columns = {}
 
-    def run(name, threads, per_pass=0, busy=False, pin=None):
+    def run(name, threads, per_pass=0, busy=False, pin=None, model=None):
         torch.set_num_threads(threads)
-        runner = ModelRunner(loaded.model, pool, parallel_min_tokens=per_pass)
+        runner = ModelRunner(model or loaded.model, pool, parallel_min_tokens=per_pass)
         neighbour = Neighbour(cpus[0]) if busy else None
         old = os.sched_getaffinity(0)
         try:
@@ -127,6 +132,15 @@ def main(argv=None) -> dict:
     run("2t+busy", 2, busy=True)
     run("1t+busy", 1, busy=True, pin=cpus[1])
     run("per pass+busy", 2, per_pass=args.parallel_min_tokens, busy=True)
+    build_s = None
+    if args.compiled:
+        torch.set_num_threads(1)
+        compiled = load_model(None, weights=args.weights, compiled=True).model
+        build_s = compiled.warm_up(pool)
+        print(f"compiled layers built in {build_s:.1f} s (inductor cache: "
+              f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)
+        run("compiled 1t", 1, model=compiled)
+        run("compiled 2t", 2, model=compiled)
     rows = list(columns["1t"])
     print(f"weights {args.weights}; ms per pass (median of {args.reps}); torch {torch.__version__}")
     print("| pass | " + " | ".join(columns) + " |")
@@ -134,7 +148,7 @@ def main(argv=None) -> dict:
     for r in rows:
         print(f"| {r} | " + " | ".join(f"{columns[c][r] * 1e3:.1f}" for c in columns) + " |")
     result = {"weights": args.weights, "reps": args.reps, "parallel_min_tokens": args.parallel_min_tokens,
-              "seconds": columns}
+              "compiled_build_s": build_s, "seconds": columns}
     if args.json:
         write_json(args.json, result, args)
     return result

@@ -64,7 +64,8 @@ def launcher_config(args: argparse.Namespace):
         grace_s=args.grace, serving_mode=args.serving_mode,
         colocated_threshold_tokens=args.colocated_threshold_tokens,
         cpu_affinity=args.cpu_affinity,
-        worker_args=("--prefix-caching",) if args.prefix_caching else (),
+        worker_args=(("--prefix-caching",) if args.prefix_caching else ())
+        + (() if args.enforce_eager else ("--no-enforce-eager",)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
 
 
@@ -210,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "holds) and KV-aware routing (--policy kv unless --policy says otherwise); on by "
                         "default, as in vLLM V1 and SGLang (a worker turns it off, and logs why, for a "
                         "model whose rope depends on the sequence's length)")
+    u.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the model eagerly (default; vLLM's name); --no-enforce-eager: every worker "
+                        "runs its layers as torch.compile graphs built at start-up (engine.compiled; "
+                        "no faster on the CPU, measured: docs/PERFORMANCE.md, 'Compiled layers')")
     u.add_argument("--policy", default=None, choices=["load", "kv", "round_robin"],
                    help="the router's placement policy (default: kv with prefix caching, load with --no-prefix-caching)")
     u.add_argument("--ask", default=None, metavar="QUESTION",

@@ -135,7 +135,7 @@ def resolve_weights(weights: str, model: str | Path | None = None, device: str =
 
 
 def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu",
-               gemv_copies: bool = True) -> LoadedModel:
+               gemv_copies: bool = True, compiled: bool = False) -> LoadedModel:
     """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
 
     Args:
@@ -145,6 +145,8 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
         gemv_copies: keep float32 projections' plain weights for one-row inputs too
             (`engine.linear.Linear`): faster batch-1 decode, a second copy of them in memory;
             a prefill worker, which rarely runs one-token inputs, passes False.
+        compiled: run the layers as compiled graphs (`engine.compiled`; built at the first
+            passes of each shape kind: a one-token pass and a longer one).
     Raises:
         ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
             with no 4-bit projections.
@@ -181,7 +183,8 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     if dev.type != "cpu":
         loaded = _to_device(loaded, dev)
     # the model takes the weights over, dropping each original once packed (`LlamaModel`)
-    model = model_class(config.architecture)(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)], gemv_copies=gemv_copies)
+    model = model_class(config.architecture)(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)], gemv_copies=gemv_copies,
+                                               compiled=compiled)
     del loaded
     release_freed_memory()
     return LoadedModel(path, config, model, Tokenizer.from_file(path), weights)

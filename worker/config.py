@@ -62,6 +62,9 @@ class WorkerConfig:
         warmup_chunk_tokens: prefill with prefix caching: most tokens per forward pass of a
             prefix-cache warm-up (`prefill.worker`; a prefill arriving stops the pass).
         threads: torch threads of this process.
+        enforce_eager: run the model's layers eagerly (vLLM's name); False: as compiled graphs
+            (`engine.compiled`: ``torch.compile``, built at start-up, their build time logged,
+            inductor's caches on disk so a restart reuses them).
         parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
             thread (a decode step's small operators gain nothing from a second thread and wait
             at each operator's barrier for a thread another process took off a shared core),
@@ -98,6 +101,7 @@ class WorkerConfig:
     prefix_caching: bool = False
     warmup_chunk_tokens: int = 128
     threads: int = 1
+    enforce_eager: bool = True
     parallel_min_tokens: int = 64
     transfer_engine: str = "auto"
     transfer_port: int = 0

@@ -106,7 +106,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
             weights = loaded.weights
         config = dataclasses.replace(config, weights=weights)
     loaded = loaded or load_model(config.model, config.weights, config.device,
-                                 gemv_copies=config.role != "prefill")
+                                 gemv_copies=config.role != "prefill", compiled=not config.enforce_eager)
     reason = prefix_caching_conflict(loaded.config)
     if config.prefix_caching and reason:
         log.warning("prefix caching turned off: %s", reason)
@@ -121,6 +121,10 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     else:
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
     pool = KVPool(loaded.config, cache, buffer=buffer)
+    if not config.enforce_eager:
+        seconds = loaded.model.warm_up(pool)
+        log.info("compiled the model's layers in %.1f s (inductor's cache: %s)", seconds,
+                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
     verbs = VerbsConfig(device=config.rdma_device, port=config.rdma_port, gid_index=config.rdma_gid_index,
                         mtu=config.rdma_mtu)
     engine_config = EngineConfig(secret=config.secret, bind_host=config.listen_host,

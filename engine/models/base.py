@@ -56,6 +56,12 @@ class CausalLM(Protocol):
         the pool. Raises ValueError when the pool does not fit the model (`check_pool`)."""
         ...
 
+    def warm_up(self, pool: KVPool) -> float:
+        """Build whatever a model builds at its first passes (compiled graphs) now, with passes
+        over blocks of ``pool`` taken and given back; returns the seconds it took (0.0: nothing
+        to build)."""
+        ...
+
 
 def check_pool(model: CausalLM, pool: KVPool) -> None:
     """Raise ValueError, naming both sides, unless ``pool`` stores what ``model`` writes: one K and

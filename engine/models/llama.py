@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention import ForwardBatch, paged_attention
+from engine.attention import ForwardBatch, SeqChunk, paged_attention
+from engine.compiled import PassContext, compile_fn, register_kernel
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
 from engine.linear import Linear, gemv_copy_pays, resolve_backend
@@ -53,7 +55,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
                  max_int4_rows: int | None = None, max_int8_head_rows: int | None = 4,
                  kv_dtype: torch.dtype | None = None,
-                 gemv_copies: bool = True):
+                 gemv_copies: bool = True, compiled: bool = False):
         """Args:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
@@ -124,6 +126,9 @@ class LlamaModel:
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
+        self._compiled_layers = None
+        if compiled:
+            self._compile()
 
     def kv_layers(self) -> list[LayerKV]:
         """Every layer stores ``num_kv_heads`` K and V heads of ``head_dim`` per token."""
@@ -142,22 +147,46 @@ class LlamaModel:
         Raises:
             ValueError: the pool's dtype is not the model's ``kv_dtype``.
         """
-        c = self.config
         if pool.kv.dtype != self.kv_dtype:
             raise ValueError(f"KV pool dtype {pool.kv.dtype} differs from the model's {self.kv_dtype}")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
-        h = self._embed.index_select(0, batch.input_ids)
+        tables = [rope.cos_sin(batch) for rope in self._ropes]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int) -> torch.Tensor:
+            k_pool, v_pool = pool.layer_view(i)
+            k_pool.index_copy_(0, batch.slot_mapping, k)
+            v_pool.index_copy_(0, batch.slot_mapping, v)
+            if on_layer_done is not None:   # the layer's K/V are in the pool
+                on_layer_done(i)
+            return paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, self._windows[i],
+                                   self.config.attn_scale, self.config.attn_softcap)
+
+        if self._compiled_layers is None:
+            return self._layers_forward(batch.input_ids, tables, batch.logits_indices, attend)
+        with PassContext(attend):
+            return self._compiled_layers(batch.input_ids, tables, batch.logits_indices, None)
+
+    def _mm(self, kernel, x: torch.Tensor, compiled: bool) -> torch.Tensor:
+        return torch.ops.pdserve.matmul(x, kernel.kernel_id) if compiled else kernel(x)
+
+    def _layers_forward(self, input_ids: torch.Tensor, tables: list, logits_indices: torch.Tensor,
+                        attend) -> torch.Tensor:
+        """Embedding, layers, final norm and head: ``[T]`` token ids -> ``[N]`` rows of logits.
+        ``attend`` None: compiled (matmuls and attention through the custom operators of
+        `engine.compiled`), else eager with ``attend(q, k, v, layer)``."""
+        c = self.config
+        compiled = attend is None
+        h = self._embed.index_select(0, input_ids)
         if self._embed_scale is not None:   # Gemma: times sqrt(hidden) rounded to the weights' dtype
             h = h * self._embed_scale
-        tables = [rope.cos_sin(batch) for rope in self._ropes]
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads
         for i, ((attn_norm, ffn_norm), (post_attn, post_ffn), lin, extra, experts) in enumerate(
                 zip(self._norms, self._post_norms, self._layers, self._extras, self._experts)):
             x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
-            qkv = lin.wqkv(x)
+            qkv = self._mm(lin.wqkv, x, compiled)
             if extra.bqkv is not None:
                 qkv = qkv + extra.bqkv
             qk = qkv[:, :qk_size].view(t, heads, c.head_dim)
@@ -170,14 +199,13 @@ class LlamaModel:
                 k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
             if q_cast:
                 q = q.to(self.attn_dtype)
-            k_pool, v_pool = pool.layer_view(i)
-            k_pool.index_copy_(0, batch.slot_mapping, k)
-            v_pool.index_copy_(0, batch.slot_mapping, v)
-            attn = paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, self._windows[i],
-                                   c.attn_scale, c.attn_softcap)
+            if compiled:
+                attn = torch.ops.pdserve.attention(q.contiguous(), k.contiguous(), v.contiguous(), i)
+            else:
+                attn = attend(q, k, v, i)
             if q_cast:
                 attn = attn.to(self.dtype)
-            out = lin.wo(attn)
+            out = self._mm(lin.wo, attn, compiled)
             if extra.bo is not None:
                 out = out + extra.bo
             if post_attn is not None:   # Gemma: the attention output normed before the residual add
@@ -185,21 +213,48 @@ class LlamaModel:
             h = h + out
             x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
             if experts is not None:
-                out = experts(x)
+                out = self._mm(experts, x, compiled)
             else:
-                gate, up = lin.w_gate_up(x).chunk(2, dim=-1)
-                out = lin.w_down(self._act(gate) * up)
+                gate, up = self._mm(lin.w_gate_up, x, compiled).chunk(2, dim=-1)
+                out = self._mm(lin.w_down, self._act(gate) * up, compiled)
             if post_ffn is not None:
                 out = _rms_norm(out, (c.hidden_size,), post_ffn, c.rms_norm_eps)
             h = h + out
-            if on_layer_done is not None:
-                on_layer_done(i)
-        h = _rms_norm(h.index_select(0, batch.logits_indices), (c.hidden_size,),
-                       self._final_norm, c.rms_norm_eps)
-        logits = self._lm_head(h).float()
+        h = _rms_norm(h.index_select(0, logits_indices), (c.hidden_size,), self._final_norm, c.rms_norm_eps)
+        logits = self._mm(self._lm_head, h, compiled).float()
         if c.final_softcap is not None:   # Gemma 2: cap * tanh(logits / cap)
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
+
+    def warm_up(self, pool: KVPool) -> float:
+        """With compiled layers, build their graphs now rather than at the first requests: one
+        pass of each shape kind (one token; one prompt of several tokens; two one-token
+        sequences) over two blocks of ``pool`` taken and given back. Returns the seconds it took
+        (0.0 when eager). Raises ValueError when ``pool`` has fewer than two free blocks."""
+        if self._compiled_layers is None:
+            return 0.0
+        bs = pool.block_size
+        blocks = pool.allocator.try_allocate(2)
+        if blocks is None:
+            raise ValueError("warming up the compiled layers needs 2 free KV blocks")
+        t0 = time.perf_counter()
+        try:
+            for chunks in ([SeqChunk([1], 0, blocks[:1])], [SeqChunk([1] * min(bs, 4), 0, blocks[:1])],
+                           [SeqChunk([1], 1, blocks[:1]), SeqChunk([1], 1, blocks[1:])]):
+                self.forward(ForwardBatch.build(chunks, bs), pool)
+        finally:
+            pool.allocator.free(blocks)
+        return time.perf_counter() - t0
+
+    def _compile(self) -> None:
+        """Register every projection, expert block and the head with `engine.compiled` and
+        compile the layers (the graphs themselves are built at the first passes)."""
+        kernels = [p for lin in self._layers for p in vars(lin).values() if p is not None]
+        kernels += [e for e in self._experts if e is not None] + [self._lm_head]
+        for k in kernels:
+            out = self.config.hidden_size if isinstance(k, RoutedExperts) else k.out_features
+            k.kernel_id = register_kernel(k, out)
+        self._compiled_layers = compile_fn(self._layers_forward)
 
     def _keep_gemv_copies_if_faster(self) -> bool:
         """Time one-row inputs through the gemv copies and the packed weights (layer 0's

@@ -62,3 +62,9 @@ def test_an_explicit_mode_is_kept_and_an_unknown_one_refused(tmp_path):
     assert WorkerConfig(role="prefill", weights="auto").weights == "auto"   # resolved at load
     with pytest.raises(ValueError, match="weights must be one of"):
         WorkerConfig(role="prefill", weights="int4")
+
+
+def test_pdserve_up_runs_eagerly_unless_told_otherwise():
+    assert "--no-enforce-eager" not in launcher_config(build_parser().parse_args(["up"])).worker_args
+    config = launcher_config(build_parser().parse_args(["up", "--no-enforce-eager"]))
+    assert "--no-enforce-eager" in config.worker_args
