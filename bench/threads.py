@@ -28,11 +28,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
-from bench.common import arg_parser, write_json
+from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool
@@ -70,9 +69,9 @@ def time_passes(runner: ModelRunner, pool: KVPool, reps: int, context: int = CON
             for c in chunks:   # each context computed once
                 _run(runner, pool, [c])
             step = [SeqChunk([prompt[0]], context, c.block_table) for c in chunks]
-            out[f"decode x{batch}"] = _median(lambda: _run(runner, pool, step), reps)
+            out[f"decode x{batch}"] = median_time(lambda: _run(runner, pool, step), reps)
             if batch == 1:
-                out[f"prefill {context}"] = _median(lambda: _run(runner, pool, chunks), reps)
+                out[f"prefill {context}"] = median_time(lambda: _run(runner, pool, chunks), reps)
         finally:
             for c in chunks:
                 pool.allocator.free(c.block_table)
@@ -83,16 +82,6 @@ def _run(runner: ModelRunner, pool: KVPool, chunks: list[SeqChunk]) -> None:
     batch = ForwardBatch.build(chunks, pool.block_size)
     runner.set_pass_threads(batch.input_ids.numel())
     runner.model.forward(batch, pool)
-
-
-def _median(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> dict:

@@ -25,7 +25,7 @@ import torch
 
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
-from engine.loader import LoadedModel, load_model, resolve_weights, set_torch_threads
+from engine.loader import LoadedModel, load_model, set_torch_threads
 from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
                         allocate_shared_buffer, create_engine)
@@ -98,15 +98,10 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         ModelLoadError, kvtransfer.EngineUnavailableError, ValueError.
     """
     set_torch_threads(config.threads)
-    if config.weights == "auto":   # resolved here, once, and kept in the config (compatibility hash)
-        if loaded is None:
-            weights, why = resolve_weights("auto", config.model, config.device)
-            log.info("--weights auto: %s (%s)", weights, why)
-        else:
-            weights = loaded.weights
-        config = dataclasses.replace(config, weights=weights)
     loaded = loaded or load_model(config.model, config.weights, config.device,
                                  gemv_copies=config.role != "prefill", compiled=not config.enforce_eager)
+    if config.weights == "auto":   # the mode load_model resolved it to (the compatibility hash's)
+        config = dataclasses.replace(config, weights=loaded.weights)
     reason = prefix_caching_conflict(loaded.config)
     if config.prefix_caching and reason:
         log.warning("prefix caching turned off: %s", reason)
