@@ -4,6 +4,7 @@ name and stops."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,9 @@ def test_the_neighbour_is_named_pinned_and_stopped():
     cpu = min(os.sched_getaffinity(0))
     n = Neighbour(cpu)
     try:
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{n.proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)   # empty until the child has exec'd
         cmdline = Path(f"/proc/{n.proc.pid}/cmdline").read_bytes().split(b"\0")
         assert cmdline[0] == b"bench-neighbour"
         assert os.sched_getaffinity(n.proc.pid) == {cpu}
