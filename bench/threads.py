@@ -1,7 +1,7 @@
 """Forward-pass time per phase and batch size on 1 and 2 torch threads, alone and beside a busy
 neighbour, and with threads chosen per pass (`engine.runner.ModelRunner`'s ``parallel_min_tokens``).
 
-    python -m bench.threads [--weights native] [--reps 7] [--compiled] [--json PATH]
+    python -m bench.threads [--weights native] [--reps 7] [--compiled] [--tp] [--json PATH]
 
 Each row times one kind of pass of the default model through a `ModelRunner` (median of
 ``--reps``, after a warm-up): a prefill chunk of 256 prompt tokens, and decode steps of 1, 8 and
@@ -15,6 +15,8 @@ Each row times one kind of pass of the default model through a `ModelRunner` (me
 - ``per pass+busy``: two threads for passes of at least ``--parallel-min-tokens`` tokens, one
   below (the workers' default), beside the neighbour.
 
+- with ``--tp``: ``TP2`` / ``TP2+busy``: the model sharded over two processes of one thread each
+  (`engine.tp`; two all-reduces per layer over gloo on 127.0.0.1), alone and beside the neighbour.
 - with ``--compiled``: ``compiled 1t`` / ``compiled 2t``, the same passes through the compiled
   layers (`engine.compiled`), and the seconds their graphs took to build (printed and in the JSON;
   a second run finds inductor's caches on disk).
@@ -35,7 +37,7 @@ from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool
-from engine.loader import load_model
+from engine.loader import load_model, make_pool
 from engine.runner import ModelRunner
 
 CONTEXT = 256
@@ -91,6 +93,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--parallel-min-tokens", type=int, default=64)
     ap.add_argument("--compiled", action="store_true",
                     help="also the compiled layers (engine.compiled) on 1 and 2 threads, and their build time")
+    ap.add_argument("--tp", action="store_true", help="also the model at tensor parallel size 2, one thread per rank")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
@@ -102,15 +105,15 @@ def main(argv=None) -> dict:
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=32 * 20, dtype=loaded.kv_dtype))
     columns = {}
 
-    def run(name, threads, per_pass=0, busy=False, pin=None, model=None):
+    def run(name, threads, per_pass=0, busy=False, pin=None, model=None, kv=None):
         torch.set_num_threads(threads)
-        runner = ModelRunner(model or loaded.model, pool, parallel_min_tokens=per_pass)
+        runner = ModelRunner(model or loaded.model, kv or pool, parallel_min_tokens=per_pass)
         neighbour = Neighbour(cpus[0]) if busy else None
         old = os.sched_getaffinity(0)
         try:
             if pin is not None:
                 os.sched_setaffinity(0, {pin})
-            columns[name] = time_passes(runner, pool, args.reps)
+            columns[name] = time_passes(runner, kv or pool, args.reps)
         finally:
             os.sched_setaffinity(0, old)
             if neighbour:
@@ -121,6 +124,15 @@ def main(argv=None) -> dict:
     run("2t+busy", 2, busy=True)
     run("1t+busy", 1, busy=True, pin=cpus[1])
     run("per pass+busy", 2, per_pass=args.parallel_min_tokens, busy=True)
+    if args.tp:
+        torch.set_num_threads(1)
+        tp = load_model(None, weights=args.weights, tensor_parallel_size=2, threads=1)
+        try:
+            tp_pool = make_pool(tp, pool.cache)
+            run("TP2", 1, model=tp.model, kv=tp_pool)
+            run("TP2+busy", 1, busy=True, model=tp.model, kv=tp_pool)
+        finally:
+            tp.model.close()
     build_s = None
     if args.compiled:
         torch.set_num_threads(1)

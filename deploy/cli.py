@@ -31,8 +31,9 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingParams
 
     set_torch_threads(args.threads)
+    loaded = None
     try:
-        loaded = load_model(args.model, args.weights)
+        loaded = load_model(args.model, args.weights, tensor_parallel_size=args.tensor_parallel_size)
         gen = build_generator(loaded, CacheConfig(num_blocks=args.num_blocks, dtype=loaded.kv_dtype))
         tk = loaded.tokenizer
         text = args.prompt if args.raw else tk.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -47,6 +48,10 @@ def _generate(args: argparse.Namespace) -> int:
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        close = getattr(loaded.model, "close", None) if loaded is not None else None
+        if close is not None:   # a tensor-parallel model's rank processes
+            close()
     return 0
 
 
@@ -177,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (16 tokens each)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over N processes (engine.tp; each with --threads torch threads)")
     _add_model_flags(g)
     g.set_defaults(func=_generate)
     u = sub.add_parser("up", help="run router + prefill + decode workers on this host")

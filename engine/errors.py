@@ -34,3 +34,8 @@ class ModelLoadError(EngineError):
 
 class TokenizerError(EngineError):
     """The tokenizer or chat template could not be built or applied."""
+
+
+class TensorParallelError(EngineError):
+    """A tensor-parallel group lost a rank (it exited, or did not start): the group, and the
+    worker it serves, cannot run another pass (`engine.tp_ranks`)."""

@@ -194,7 +194,7 @@ class Generator:
             child.block_table = list(shared)
             if partial:
                 dst = copies[i - 1]
-                self.pool.kv[:, :, dst].copy_(self.pool.kv[:, :, seq.block_table[full]])
+                self.pool.copy_blocks([seq.block_table[full]], [dst])
                 child.block_table.append(dst)
             child.num_computed = prompt_len
             children.append(child)

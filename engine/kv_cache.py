@@ -287,6 +287,11 @@ class KVPool:
         flat = self.kv[layer].view(2, -1, self.model.num_kv_heads, self.model.head_dim)
         return flat[0], flat[1]
 
+    def copy_blocks(self, src: Sequence[BlockId], dst: Sequence[BlockId]) -> None:
+        """Copy every layer's K and V of blocks ``src`` into blocks ``dst`` (pairwise; forking a
+        sequence's partial last block)."""
+        self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
+
     def slots(self, block_table: Sequence[BlockId], start: int, end: int) -> list[int]:
         """Flat slot indices of positions ``start .. end - 1`` of a sequence."""
         bs = self.block_size

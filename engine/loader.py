@@ -135,7 +135,8 @@ def resolve_weights(weights: str, model: str | Path | None = None, device: str =
 
 
 def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu",
-               gemv_copies: bool = True, compiled: bool = False) -> LoadedModel:
+               gemv_copies: bool = True, compiled: bool = False, tensor_parallel_size: int = 1,
+               threads: int | None = None) -> LoadedModel:
     """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
 
     Args:
@@ -147,10 +148,15 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
             a prefill worker, which rarely runs one-token inputs, passes False.
         compiled: run the layers as compiled graphs (`engine.compiled`; built at the first
             passes of each shape kind: a one-token pass and a longer one).
+        tensor_parallel_size: N > 1 shards the model over N processes (`engine.tp`): this one
+            is rank 0 and ``LoadedModel.model`` an `engine.tp_ranks.TensorParallelModel`, whose
+            KV pool comes from its ``create_pool`` (`make_pool`); ranks 1 .. N-1 are started as
+            subprocesses with ``threads`` torch threads each (None: this process's count).
     Raises:
         ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
             with no 4-bit projections.
         engine.mlas.KernelUnavailable: native weights without onnxruntime (a dependency).
+        engine.errors.TensorParallelError: a tensor-parallel rank exited while starting.
         ValueError: unknown weights mode; native weights on CUDA or without the int4 kernel in
             this torch build; bf16 weights on a CPU without native bfloat16 matmuls (emulated,
             several times slower than fp32; docs/PERFORMANCE.md, "bf16 mode without native
@@ -159,7 +165,7 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     if weights == "auto":
         weights, why = resolve_weights(weights, model, device)
         log.info("--weights auto: %s (%s)", weights, why)
-    dtype = weights_dtype(weights)
+    weights_dtype(weights)   # raises ValueError for an unknown mode
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but torch sees no CUDA device")
@@ -179,15 +185,49 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
             raise ValueError("native weights need torch's CPU int4 kernel (aten._weight_int4pack_mm_for_cpu), "
                              f"missing or wrong in torch {torch.__version__}; use --weights bf16")
     path = resolve_model_path(model)
-    config, loaded = load_weights(path, DTYPES[dtype], native=native)
+    if tensor_parallel_size > 1:
+        if compiled:
+            raise ValueError("compiled layers do not run tensor-parallel yet; use --enforce-eager")
+        from engine import tp_ranks
+
+        built = tp_ranks.start(path, weights, tensor_parallel_size, device, threads or torch.get_num_threads(),
+                               gemv_copies, build_model)
+    else:
+        built = build_model(path, weights, device, gemv_copies, None, compiled)
+    return LoadedModel(path, built.config, built, Tokenizer.from_file(path), weights)
+
+
+def build_model(path: str | Path, weights: str, device: str = "cpu", gemv_copies: bool = True,
+                tp=None, compiled: bool = False) -> CausalLM:
+    """The model of a resolved checkpoint ``path`` in a resolved ``weights`` mode on ``device``
+    (`load_model` checked both); with ``tp`` (an `engine.tp.TPGroup`), that rank's shard.
+    Raises ModelLoadError as `load_weights` does, and when the model cannot be split ``tp.size`` ways."""
+    config, loaded = load_weights(path, DTYPES[weights_dtype(weights)], native=weights == "native")
+    if tp is not None and tp.size > 1:
+        from engine.tp import shard_weights
+
+        loaded = shard_weights(config, loaded, tp.rank, tp.size)
+    dev = torch.device(device)
     if dev.type != "cpu":
         loaded = _to_device(loaded, dev)
     # the model takes the weights over, dropping each original once packed (`LlamaModel`)
-    model = model_class(config.architecture)(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)], gemv_copies=gemv_copies,
-                                               compiled=compiled)
+    model = model_class(config.architecture)(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)],
+                                               gemv_copies=gemv_copies, compiled=compiled, tp=tp)
     del loaded
     release_freed_memory()
-    return LoadedModel(path, config, model, Tokenizer.from_file(path), weights)
+    return model
+
+
+def make_pool(loaded: LoadedModel, cache: CacheConfig, buffer: torch.Tensor | None = None) -> KVPool:
+    """The KV pool ``loaded``'s model runs over: a `KVPool` of ``cache`` on the model's device
+    (over ``buffer`` if given), or a tensor-parallel model's own (`TensorParallelModel.create_pool`,
+    which takes no buffer)."""
+    create = getattr(loaded.model, "create_pool", None)
+    if create is not None:
+        if buffer is not None:
+            raise ValueError("a tensor-parallel model's KV pools are allocated by its ranks, not over a buffer")
+        return create(cache)
+    return KVPool(loaded.config, cache, buffer=buffer, device=loaded.model.device)
 
 
 def release_freed_memory() -> None:
@@ -223,5 +263,5 @@ def build_generator(loaded: LoadedModel, cache: CacheConfig | None = None,
                     scheduler: SchedulerConfig | None = None) -> Generator:
     """A `Generator` with a fresh KV pool."""
     cache = cache or CacheConfig(dtype=loaded.kv_dtype)
-    pool = KVPool(loaded.config, cache, device=loaded.model.device)
+    pool = make_pool(loaded, cache)
     return Generator(loaded.model, pool, loaded.tokenizer, scheduler or SchedulerConfig())

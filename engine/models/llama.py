@@ -32,6 +32,7 @@ from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
 from engine.models.rope import RotaryEmbedding
 from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
+from engine.tp import TPGroup, local_config, vocab_rows
 from engine.weights import LayerWeights, LlamaWeights
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
                  max_int4_rows: int | None = None, max_int8_head_rows: int | None = 4,
                  kv_dtype: torch.dtype | None = None,
-                 gemv_copies: bool = True, compiled: bool = False):
+                 gemv_copies: bool = True, compiled: bool = False, tp: TPGroup | None = None):
         """Args:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
@@ -76,10 +77,22 @@ class LlamaModel:
                 accurate and faster: torch's CPU flash attention is slower in bfloat16 than in
                 float32 (cast included), with AVX512-BF16 and without it alike (measured:
                 docs/PERFORMANCE.md, "Attention dtype on the CPU").
+            tp: this process's rank of a tensor-parallel group (`engine.tp`), ``weights`` being
+                that rank's shard (`engine.tp.shard_weights`): the pass computes the rank's heads
+                and MLP slice, all-reduces the row-parallel outputs and gathers the logits on
+                rank 0 (the other ranks return their own columns). None: the whole model.
         Raises:
-            ValueError: unknown or unusable linear backend; 4-bit projections on a non-CPU device.
+            ValueError: unknown or unusable linear backend; 4-bit projections on a non-CPU device;
+                compiled layers with a TP size above 1 (not built yet).
         """
         self.config = config
+        self.tp = tp or TPGroup(0, 1)
+        if compiled and self.tp.size > 1:
+            raise ValueError("compiled layers do not run tensor-parallel yet; use --enforce-eager")
+        # the shapes this rank computes (its heads, its MLP slice); ``config`` stays the model's
+        self._local = local_config(config, self.tp.size)
+        self._vocab_first, self._vocab_count = vocab_rows(config.vocab_size, self.tp.rank, self.tp.size)
+        self._vocab_width = -(-config.vocab_size // self.tp.size)
         self.dtype = weights.embed.dtype
         self.kv_dtype = kv_dtype or self.dtype
         self.attn_dtype = self.kv_dtype if weights.embed.device.type != "cpu" else torch.float32
@@ -89,7 +102,7 @@ class LlamaModel:
         self._post_norms = [(layer.post_attn_norm, layer.post_ffn_norm) for layer in weights.layers]
         self._windows = [config.layer_window(i) for i in range(config.num_layers)]
         self._act = F.silu if config.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
-        self._extras = [_LayerExtras(layer, config) for layer in weights.layers]
+        self._extras = [_LayerExtras(layer, self._local) for layer in weights.layers]
         backend = resolve_backend(linear_backend, weights.embed.device)
         self.linear_backend = backend
         self.quantized = any(isinstance(p, Int4Weight) for layer in weights.layers
@@ -123,7 +136,7 @@ class LlamaModel:
         self._layer_rope = [1 if len(ropes) > 1 and w is not None else 0 for w in self._windows]
         self._embed_scale = (None if config.embedding_multiplier is None
                              else torch.tensor(config.embedding_multiplier, dtype=self.dtype, device=self.device))
-        c = config
+        c = self._local
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
         self._compiled_layers = None
@@ -131,8 +144,9 @@ class LlamaModel:
             self._compile()
 
     def kv_layers(self) -> list[LayerKV]:
-        """Every layer stores ``num_kv_heads`` K and V heads of ``head_dim`` per token."""
-        return [LayerKV(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
+        """Every layer stores ``num_kv_heads`` K and V heads of ``head_dim`` per token (with
+        tensor parallelism, this rank's KV heads: `engine.tp.local_config`)."""
+        return [LayerKV(self._local.num_kv_heads, self._local.head_dim)] * self.config.num_layers
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool,
@@ -175,9 +189,9 @@ class LlamaModel:
         """Embedding, layers, final norm and head: ``[T]`` token ids -> ``[N]`` rows of logits.
         ``attend`` None: compiled (matmuls and attention through the custom operators of
         `engine.compiled`), else eager with ``attend(q, k, v, layer)``."""
-        c = self.config
+        c = self._local
         compiled = attend is None
-        h = self._embed.index_select(0, input_ids)
+        h = self._embed_tokens(input_ids)
         if self._embed_scale is not None:   # Gemma: times sqrt(hidden) rounded to the weights' dtype
             h = h * self._embed_scale
         t = h.shape[0]
@@ -205,7 +219,7 @@ class LlamaModel:
                 attn = attend(q, k, v, i)
             if q_cast:
                 attn = attn.to(self.dtype)
-            out = self._mm(lin.wo, attn, compiled)
+            out = self.tp.all_reduce(self._mm(lin.wo, attn, compiled))
             if extra.bo is not None:
                 out = out + extra.bo
             if post_attn is not None:   # Gemma: the attention output normed before the residual add
@@ -217,14 +231,27 @@ class LlamaModel:
             else:
                 gate, up = self._mm(lin.w_gate_up, x, compiled).chunk(2, dim=-1)
                 out = self._mm(lin.w_down, self._act(gate) * up, compiled)
+            out = self.tp.all_reduce(out)
             if post_ffn is not None:
                 out = _rms_norm(out, (c.hidden_size,), post_ffn, c.rms_norm_eps)
             h = h + out
         h = _rms_norm(h.index_select(0, logits_indices), (c.hidden_size,), self._final_norm, c.rms_norm_eps)
         logits = self._mm(self._lm_head, h, compiled).float()
+        if self.tp.size > 1:
+            logits = self.tp.gather_columns(logits, self._vocab_width, c.vocab_size)
         if c.final_softcap is not None:   # Gemma 2: cap * tanh(logits / cap)
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
+
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]`` embeddings; vocabulary-parallel with a TP size above 1
+        (rows outside this rank's are zeros here, and the all-reduce adds the owner's)."""
+        if self.tp.size == 1:
+            return self._embed.index_select(0, input_ids)
+        local = input_ids - self._vocab_first
+        mine = (local >= 0) & (local < self._vocab_count)
+        h = self._embed.index_select(0, local.clamp(0, max(self._vocab_count - 1, 0)))
+        return self.tp.all_reduce(h * mine[:, None].to(h.dtype))
 
     def warm_up(self, pool: KVPool) -> float:
         """With compiled layers, build their graphs now rather than at the first requests: one

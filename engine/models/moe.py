@@ -42,7 +42,9 @@ class RoutedExperts:
         norm_topk_prob: renormalize the kept probabilities to sum to 1.
         backend: `engine.linear` backend for the experts' projections. Each expert's weight is
             set to None in ``weights`` once its `Linear` is built (the model owns the weights:
-            `engine.models.llama.LlamaModel`).
+            `engine.models.llama.LlamaModel`). An expert whose weights are None is another
+            tensor-parallel rank's (`engine.tp`, expert-parallel): its tokens get nothing here
+            and the all-reduce after the block adds that rank's part.
     Call with ``x``: ``[tokens, hidden]``; returns ``[tokens, hidden]`` in ``x``'s dtype.
     """
 
@@ -70,7 +72,8 @@ class RoutedExperts:
         scales = weights.flatten()[order]
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 or self.gate_up[e] is None:
+                start += n
                 continue
             tokens = rows[start:start + n]
             gate, up = self.gate_up[e](x.index_select(0, tokens)).chunk(2, dim=-1)
@@ -81,10 +84,10 @@ class RoutedExperts:
 
 
 def _take_linears(weights: list[torch.Tensor], backend: str) -> list[Linear]:
-    """A `Linear` per weight, each weight set to None in ``weights`` once built (so that no
-    more than one expert's original outlives its packed form)."""
+    """A `Linear` per weight (None for None: another rank's expert), each weight set to None in
+    ``weights`` once built (so that no more than one expert's original outlives its packed form)."""
     out = []
     for i, w in enumerate(weights):
         weights[i] = None
-        out.append(Linear(w, backend))
+        out.append(None if w is None else Linear(w, backend))
     return out

@@ -1,0 +1,84 @@
+"""A tensor-parallel follower rank's process: ``python -m engine.tp_follower SPEC`` (started by
+`engine.tp_ranks.start`; SPEC is its JSON: model, weights, device, threads, rank, size, the
+rendezvous port and rank 0's pid).
+
+It names itself ``pdserve-tp-r<rank>`` (``/proc/<pid>/comm``), loads its shard, reports the result
+through the rendezvous store, joins the group and runs the commands rank 0 broadcasts
+(`engine.tp_ranks.broadcast_object`: ``pool``, ``forward``, ``copy_blocks``) until ``stop``
+(exit 0). Any error ends the process (exit 1) so that rank 0 sees the group broken rather than a
+hang; rank 0's death ends it too (the ``tp-parent-watch`` thread; exit 3); SIGTERM exits at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import TensorParallelError
+from engine.kv_cache import KVPool
+from engine.loader import build_model
+from engine.tp import TPGroup, local_config
+from engine.tp_ranks import HOST, START_TIMEOUT_S, broadcast_object, make_group
+
+
+def _set_name(name: str) -> None:
+    """This process's name as ps and /proc/<pid>/comm show it (Linux ``PR_SET_NAME``, 15 bytes)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15])
+    except (OSError, AttributeError):
+        pass
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this follower as soon as rank 0's process is gone (re-parented)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(3)
+
+
+def follow(spec: dict) -> None:
+    """A follower's life (module doc): load its shard, report, join the group, run the commands
+    rank 0 broadcasts until ``stop``. Raises whatever failed (the process then exits with 1)."""
+    rank, size = spec["rank"], spec["size"]
+    _set_name(f"pdserve-tp-r{rank}")
+    threading.Thread(target=_watch_parent, args=(spec["parent"],), name="tp-parent-watch", daemon=True).start()
+    torch.set_num_threads(max(1, spec["threads"]))
+    store = dist.TCPStore(HOST, spec["port"], size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    try:
+        model = build_model(spec["path"], spec["weights"], spec["device"], spec["gemv_copies"], TPGroup(rank, size))
+    except Exception as e:   # noqa: BLE001 - reported to rank 0, which raises it
+        store.set(f"loaded/{rank}", f"{type(e).__name__}: {e}")
+        raise
+    store.set(f"loaded/{rank}", "ok")
+    group = make_group(store, rank, size)
+    model.tp.group = group.group
+    pool = None
+    while True:
+        name, arg = broadcast_object(group)
+        if name == "forward":
+            model.forward(arg, pool)
+        elif name == "pool":
+            pool = KVPool(local_config(model.config, size), arg, device=model.device)
+        elif name == "copy_blocks":
+            pool.copy_blocks(*arg)
+        elif name == "stop":
+            return
+        else:
+            raise TensorParallelError(f"unknown command {name!r}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-rank %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    with torch.inference_mode():
+        follow(json.loads(sys.argv[1]))

@@ -1,0 +1,240 @@
+"""The processes of a tensor-parallel model: rank 0 drives, ranks 1 .. N-1 follow.
+
+Rank 0 is the process that serves (a worker, the colocated generator): it loads its shard and
+runs the pass like any model, and `TensorParallelModel` first sends every pass to the other ranks,
+so each runs the same pass on its own shard and KV pool; the pass's collectives
+(`engine.tp.TPGroup`) then meet. Ranks 1 .. N-1 are subprocesses it starts (``python -m
+engine.tp_follower``, named ``pdserve-tp-r<r>``: its ``/proc/<pid>/comm``) that load their shard, build
+their pool when told, and run what they receive until told to stop.
+
+Wire: a ``torch.distributed`` TCPStore on 127.0.0.1 (rank 0 the master, an ephemeral port) for the
+rendezvous and the ranks' load results, and one process group (gloo on the CPU) bound to
+127.0.0.1 for the collectives and the commands (a command is pickled and broadcast from rank 0:
+its length, then its bytes).
+
+Failure: a follower exits on any error and when rank 0's process is gone (a watchdog thread,
+``tp-parent-watch``); the connections it held close, so rank 0's next collective or command
+fails, and `TensorParallelModel` raises `engine.errors.TensorParallelError`, kills the ranks left
+and refuses every later pass: a group with a rank gone is gone as a whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config import CacheConfig
+from engine.errors import ModelLoadError, TensorParallelError
+from engine.kv_cache import KVPool
+from engine.tp import TPGroup, local_config
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 600.0
+"""Seconds rank 0 waits for every rank to load its shard."""
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+"""The process group's per-operation timeout: followers wait in a broadcast between passes, for
+as long as the worker is idle. A rank that dies closes its sockets and fails the others' pending
+operations at once; this bounds only a rank that hangs."""
+
+
+def make_group(store, rank: int, size: int) -> TPGroup:
+    """The gloo process group of ``size`` ranks over ``store``, bound to 127.0.0.1."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    opts._timeout = IDLE_TIMEOUT
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, opts)
+    return TPGroup(rank, size, pg)
+
+
+class TensorParallelModel:
+    """Rank 0 of a model sharded over N processes: a `engine.models.base.CausalLM` whose passes
+    run on every rank.
+
+    Attributes:
+        config: the whole model's `ModelConfig`; ``local_config``: rank 0's shapes (its KV heads:
+            what `create_pool` gives every rank).
+        ranks: the follower processes, ranks 1 .. N-1.
+    Its KV pool must come from `create_pool` (each rank builds its own of the same blocks); a pass
+    over another pool raises ValueError. After a rank is lost every call raises
+    `TensorParallelError`.
+    """
+
+    def __init__(self, local, group: TPGroup, ranks: list[subprocess.Popen], store):
+        self._local = local
+        self.group = group
+        self.ranks = ranks
+        self._store = store
+        self.config = local.config
+        self.device = local.device
+        self.kv_dtype = local.kv_dtype
+        self.local_config = local_config(self.config, group.size)
+        self._pool: KVPool | None = None
+        self._lost: str | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.group.size
+
+    def kv_layers(self):
+        """Rank 0's `LayerKV` per layer (each rank holds as many heads: `engine.tp.local_config`)."""
+        return self._local.kv_layers()
+
+    def create_pool(self, cache: CacheConfig) -> KVPool:
+        """Rank 0's KV pool of ``cache`` (its KV heads), every other rank building its own alike.
+        Raises TensorParallelError when a rank is gone."""
+        self._command("pool", cache)
+        self._pool = ShardedKVPool(self, self.local_config, cache, device=self.device)
+        return self._pool
+
+    def forward(self, batch, pool: KVPool, on_layer_done=None) -> torch.Tensor:
+        """The pass on every rank; returns the whole vocabulary's logits (rank 0 gathers them).
+
+        Raises:
+            ValueError: ``pool`` is not the one `create_pool` made.
+            TensorParallelError: a rank is gone (before or during the pass).
+        """
+        if pool is not self._pool:
+            raise ValueError("a tensor-parallel model runs over the KV pool its create_pool made")
+        self._command("forward", batch)
+        try:
+            return self._local.forward(batch, pool, on_layer_done)
+        except RuntimeError as e:   # a collective failed: a rank is gone
+            raise self._fail(f"a pass failed: {e}") from e
+
+    def warm_up(self, pool: KVPool) -> float:
+        """Nothing to build (tensor-parallel layers run eagerly): 0.0."""
+        return 0.0
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Every rank copies its K/V of blocks ``src`` into ``dst`` (`ShardedKVPool.copy_blocks`)."""
+        self._command("copy_blocks", (list(src), list(dst)))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the followers (a stop command; those still running after ``timeout_s`` seconds are
+        killed) and leave the group. Idempotent."""
+        if self._lost is None:
+            try:
+                self._command("stop", None)
+            except TensorParallelError:
+                pass
+            self._lost = "closed"
+        _reap(self.ranks, timeout_s)
+        self.group.group = None
+
+    def _command(self, name: str, arg) -> None:
+        if self._lost is not None:
+            raise TensorParallelError(f"tensor-parallel group unusable: {self._lost}")
+        try:
+            broadcast_object(self.group, (name, arg))
+        except RuntimeError as e:
+            raise self._fail(f"sending {name!r} to the ranks failed: {e}") from e
+
+    def _fail(self, why: str) -> TensorParallelError:
+        dead = [f"rank {r} exit code {p.poll()}" for r, p in enumerate(self.ranks, 1) if p.poll() is not None]
+        self._lost = f"{why} ({', '.join(dead) or 'no rank exited yet'})"
+        log.error("tensor-parallel group lost: %s", self._lost)
+        _reap(self.ranks, 0.0)
+        return TensorParallelError(self._lost)
+
+
+class ShardedKVPool(KVPool):
+    """Rank 0's KV pool in a tensor-parallel group: its own KV heads; a block copy is made on
+    every rank (`copy_blocks`)."""
+
+    def __init__(self, owner: TensorParallelModel, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self._owner.copy_blocks(src, dst)
+        super().copy_blocks(src, dst)
+
+
+def broadcast_object(group: TPGroup, obj=None):
+    """Rank 0: send ``obj`` (pickled) to every rank; others: receive and return it. Raises
+    RuntimeError (torch.distributed) when a rank is gone."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    if group.rank == 0:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    group.group.broadcast([size], opts).wait()
+    if group.rank != 0:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    group.group.broadcast([data], opts).wait()
+    return obj if group.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+def start(path, weights: str, size: int, device: str, threads: int, gemv_copies: bool, build):
+    """Start ranks 1 .. ``size - 1`` and build rank 0's shard: the `TensorParallelModel`.
+
+    Args:
+        path: the resolved model file or directory; weights: a resolved `WEIGHT_MODES` key.
+        threads: torch threads of each follower (rank 0 keeps its own).
+        build: ``build(path, weights, device, gemv_copies, tp) -> CausalLM`` (`engine.loader`),
+            called on every rank with its `TPGroup` (whose process group is not connected yet
+            while loading: shards are loaded first, then the group forms).
+    Raises:
+        ModelLoadError: a rank could not load its shard (its message), or the model cannot be
+            split ``size`` ways.
+        TensorParallelError: a rank exited or did not report within `START_TIMEOUT_S`.
+    """
+    store = dist.TCPStore(HOST, 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                          wait_for_workers=False)
+    spec = {"path": str(path), "weights": weights, "size": size, "device": device, "threads": threads,
+            "gemv_copies": gemv_copies, "port": store.port, "parent": os.getpid()}
+    ranks = []
+    try:
+        for r in range(1, size):
+            ranks.append(subprocess.Popen([sys.executable, "-m", "engine.tp_follower", json.dumps({**spec, "rank": r})]))
+        local = build(path, weights, device, gemv_copies, TPGroup(0, size))
+        _wait_loaded(store, ranks)
+        group = make_group(store, 0, size)
+        local.tp.group = group.group
+    except BaseException:
+        _reap(ranks, 0.0)
+        raise
+    log.info("tensor parallel: %d ranks (followers pid %s)", size, [p.pid for p in ranks])
+    return TensorParallelModel(local, local.tp, ranks, store)
+
+
+def _wait_loaded(store, ranks: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    waiting = set(range(1, len(ranks) + 1))
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"loaded/{r}"]):
+                result = store.get(f"loaded/{r}").decode()
+                if result != "ok":
+                    raise ModelLoadError(f"tensor-parallel rank {r}: {result}")
+                waiting.discard(r)
+            elif ranks[r - 1].poll() is not None:
+                raise TensorParallelError(f"tensor-parallel rank {r} exited with code {ranks[r - 1].returncode} "
+                                          "while loading its shard")
+        if waiting and time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting)} did not load within {START_TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
+def _reap(ranks: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` seconds for the followers to exit, then kill those left."""
+    deadline = time.monotonic() + timeout_s
+    for p in ranks:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
