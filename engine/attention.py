@@ -260,7 +260,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (the new tokens,
             in the pool's dtype).
-        k_pool, v_pool: one layer's pool, ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+        k_pool, v_pool: one layer's pool, ``[num_blocks, num_kv_heads, block_size, head_dim]``.
             K/V of another dtype than ``q``'s (a bfloat16 pool, float32 attention) are cast to it
             after the gather.
         window: sliding-window attention: the query at position ``p`` attends to positions
@@ -305,9 +305,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def store_kv(pool: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> None:
+    """Write ``x`` ``[T, num_kv_heads, head_dim]`` (the new tokens' K or V) into one layer's
+    ``pool`` ``[num_blocks, num_kv_heads, block_size, head_dim]`` at ``slots``: ``(blocks,
+    offsets)``, each ``[T]`` int64 (`ForwardBatch.slot_mapping` split by the block size)."""
+    pool.transpose(1, 2).index_put_(slots, x)
+
+
 def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
-    per_block = pool.view(-1, block_size, *pool.shape[1:])
-    return per_block.index_select(0, blocks).flatten(0, 1)[:length]
+    """A sequence's first ``length`` positions of ``pool`` (``[num_blocks, kv_heads, block_size,
+    dim]``) through its ``blocks``, as ``[length, kv_heads, dim]``."""
+    per_block = pool.index_select(0, blocks[:-(-length // block_size)])
+    return per_block.transpose(1, 2).reshape(-1, *per_block.shape[1::2])[:length]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -359,9 +368,14 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
         n = g.hi - g.lo
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
-            per_block = pool.view(-1, block_size, kv_heads, dim).index_select(0, g.blocks)
+            per_block = pool.index_select(0, g.blocks)   # [n * blocks, kv_heads, block_size, dim]
+            src = per_block.view(n, -1, kv_heads, block_size, dim).transpose(1, 2)
             out = torch.empty(n, kv_heads, g.span, dim, dtype=q.dtype, device=q.device)
-            return out.copy_(per_block.view(n, -1, kv_heads, dim)[:, :g.span].transpose(1, 2))
+            full, rest = divmod(g.span, block_size)
+            out[:, :, :full * block_size].view(n, kv_heads, full, block_size, dim).copy_(src[:, :, :full])
+            if rest:
+                out[:, :, full * block_size:].copy_(src[:, :, full, :rest])
+            return out
 
         bias = batch.decode_bias(g, window, q.dtype)
         o = _attend(q[g.lo:g.hi], gather(k_pool), gather(v_pool), bias, scale, softcap)

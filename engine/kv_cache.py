@@ -1,10 +1,12 @@
 """The paged KV pool and its block allocator.
 
 Layout (ARCHITECTURE.md, "KV pool layout"): ONE contiguous tensor
-``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`` so that a single memory
-registration covers the pool and (layer, K|V, run of consecutive blocks) is one contiguous byte
-range. A token at position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at
-offset ``p % block_size``; its flat slot is ``block * block_size + p % block_size``.
+``[num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]`` so that a single memory
+registration covers the pool, a (layer, K|V, run of consecutive blocks) is one contiguous byte
+range, and so is a (layer, K|V, block, run of consecutive KV heads): head-major within a block
+(vLLM's "HND"), so a tensor-parallel peer holding other heads reads or writes a block's head slice
+in one piece. A token at position ``p`` of a sequence lives in block ``block_table[p // block_size]``
+at offset ``p % block_size``; its flat slot is ``block * block_size + p % block_size``.
 
 Ownership: the allocator hands out `BlockId`s with a reference count of one; `BlockAllocator.free`
 drops one reference and returns the block to the free list at zero. The allocator knows nothing
@@ -238,7 +240,7 @@ class KVPool:
     """The KV cache tensor of one worker plus its allocator.
 
     Attributes:
-        kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, ``cache.dtype``.
+        kv: ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``, ``cache.dtype``.
         allocator: the `BlockAllocator` over ``num_blocks``.
     """
 
@@ -255,8 +257,8 @@ class KVPool:
         """
         self.model = model
         self.cache = cache
-        self.shape = (model.num_layers, 2, cache.num_blocks, cache.block_size,
-                      model.num_kv_heads, model.head_dim)
+        self.shape = (model.num_layers, 2, cache.num_blocks, model.num_kv_heads,
+                      cache.block_size, model.head_dim)
         if buffer is None:
             self.kv = torch.zeros(self.shape, dtype=cache.torch_dtype, device=device)
         else:
@@ -283,9 +285,8 @@ class KVPool:
         return self.cache.num_blocks
 
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as ``[num_blocks * block_size, num_kv_heads, head_dim]`` views."""
-        flat = self.kv[layer].view(2, -1, self.model.num_kv_heads, self.model.head_dim)
-        return flat[0], flat[1]
+        """K and V of one layer as ``[num_blocks, num_kv_heads, block_size, head_dim]`` views."""
+        return self.kv[layer, 0], self.kv[layer, 1]
 
     def copy_blocks(self, src: Sequence[BlockId], dst: Sequence[BlockId]) -> None:
         """Copy every layer's K and V of blocks ``src`` into blocks ``dst`` (pairwise; forking a

@@ -41,7 +41,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr,
                              scale, softcap, window,
-                             stride_qb, stride_qh, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
+                             stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_tb, stride_ob, stride_oh,
                              GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
                              HEAD_DIM_P: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
                              WINDOW: tl.constexpr):
@@ -65,8 +65,8 @@ if triton is not None:
             block_id = tl.load(table_ptr + seq * stride_tb + blk).to(tl.int64)
             pos = blk * BLOCK + tl.arange(0, BLOCK)
             ok = (pos < length) & (pos >= start)
-            rows = block_id * BLOCK + tl.arange(0, BLOCK)
-            kv_off = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+            rows = tl.arange(0, BLOCK)   # offsets in the block: the pool is [blocks, heads, BLOCK, dim]
+            kv_off = block_id * stride_kb + kv_head * stride_kh + rows[:, None] * stride_kt + d[None, :]
             kv_ok = ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
@@ -92,8 +92,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
 
     Args:
         q: ``[B, num_heads, head_dim]`` (float32, bfloat16 or float16).
-        k_pool, v_pool: one layer's pool, ``[num_blocks * block_size, num_kv_heads, head_dim]``,
-            contiguous in the last two dims (any float dtype: read as float32).
+        k_pool, v_pool: one layer's pool, ``[num_blocks, num_kv_heads, block_size, head_dim]``,
+            contiguous in the last dim (any float dtype: read as float32).
         block_tables: ``[B, max_blocks]`` integer block ids; row ``i`` lists sequence ``i``'s
             blocks in position order (entries past its length are not read).
         lens: ``[B]`` integer context lengths in tokens, the new token included (>= 1).
@@ -112,20 +112,21 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         raise RuntimeError("paged_decode needs triton and a CUDA device (or TRITON_INTERPRET=1)")
     b, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
-    if heads % kv_heads or k_pool.shape[2] != dim or v_pool.shape != k_pool.shape:
+    if heads % kv_heads or k_pool.shape[3] != dim or v_pool.shape != k_pool.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool {tuple(k_pool.shape)} / {tuple(v_pool.shape)}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two (a Triton block)")
+    if block_size & (block_size - 1) or k_pool.shape[2] != block_size:
+        raise ValueError(f"block_size={block_size} must be a power of two (a Triton block) and the pool's "
+                         f"block dimension ({k_pool.shape[2]})")
     if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
         raise ValueError(f"window={window} and softcap={softcap} must be positive")
-    if k_pool.stride(2) != 1 or v_pool.stride() != k_pool.stride() or q.stride(2) != 1:
+    if k_pool.stride(3) != 1 or v_pool.stride() != k_pool.stride() or q.stride(2) != 1:
         raise ValueError("q and the pools must be contiguous in head_dim, and K and V laid out alike")
     group = heads // kv_heads
     out = torch.empty_like(q)
     _paged_decode_kernel[(b, kv_heads)](
         q, k_pool, v_pool, block_tables, lens, out,
         float(dim ** -0.5 if scale is None else scale), float(softcap or 1.0), int(window or 0),
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=dim,
         HEAD_DIM_P=triton.next_power_of_2(dim), BLOCK=block_size, SOFTCAP=softcap is not None,

@@ -1,9 +1,9 @@
 """Byte geometry of a worker's KV pool.
 
 The pool is ONE contiguous buffer shaped
-``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`` of ``itemsize``-byte
-elements, so one memory registration covers it and a (layer, K|V, run of consecutive block ids) is
-one contiguous byte range. Prefill and decode pools share every field but ``num_blocks``.
+``[num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]`` of ``itemsize``-byte
+elements, so one memory registration covers it, a (layer, K|V, run of consecutive block ids) is
+one contiguous byte range, and so is a (layer, K|V, block, run of consecutive KV heads). Prefill and decode pools share every field but ``num_blocks``.
 """
 
 from __future__ import annotations
@@ -51,15 +51,15 @@ class KVLayout:
 
     @classmethod
     def from_tensor(cls, pool: torch.Tensor) -> "KVLayout":
-        """The layout of a pool tensor shaped ``[L, 2, N, block_size, H, D]``.
+        """The layout of a pool tensor shaped ``[L, 2, N, H, block_size, D]``.
 
         Raises ``PlanError`` unless the tensor is 6-d, contiguous and has 2 in dimension 1.
         """
         if pool.dim() != 6 or pool.shape[1] != 2:
-            raise PlanError(f"KV pool must be [L, 2, N, block_size, H, D], got {tuple(pool.shape)}")
+            raise PlanError(f"KV pool must be [L, 2, N, H, block_size, D], got {tuple(pool.shape)}")
         if not pool.is_contiguous():
             raise PlanError("KV pool must be contiguous")
-        layers, _, blocks, block_size, heads, head_dim = (int(x) for x in pool.shape)
+        layers, _, blocks, heads, block_size, head_dim = (int(x) for x in pool.shape)
         return cls(layers, blocks, block_size, heads, head_dim, pool.element_size())
 
     @property

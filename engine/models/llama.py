@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from engine.attention import ForwardBatch, SeqChunk, paged_attention
+from engine.attention import ForwardBatch, SeqChunk, paged_attention, store_kv
 from engine.compiled import PassContext, compile_fn, register_kernel
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
@@ -166,11 +166,12 @@ class LlamaModel:
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         tables = [rope.cos_sin(batch) for rope in self._ropes]
+        slots = (batch.slot_mapping // pool.block_size, batch.slot_mapping % pool.block_size)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int) -> torch.Tensor:
             k_pool, v_pool = pool.layer_view(i)
-            k_pool.index_copy_(0, batch.slot_mapping, k)
-            v_pool.index_copy_(0, batch.slot_mapping, v)
+            store_kv(k_pool, slots, k)
+            store_kv(v_pool, slots, v)
             if on_layer_done is not None:   # the layer's K/V are in the pool
                 on_layer_done(i)
             return paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, self._windows[i],

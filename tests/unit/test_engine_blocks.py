@@ -64,12 +64,13 @@ def test_blocks_needed():
 
 def test_pool_is_one_contiguous_tensor_in_the_documented_layout():
     pool = KVPool(TINY, CacheConfig(block_size=8, num_blocks=5))
-    assert pool.kv.shape == (2, 2, 5, 8, 2, 4)
+    assert pool.kv.shape == (2, 2, 5, 2, 8, 4)   # layers, K/V, blocks, KV heads, block size, head dim
     assert pool.kv.is_contiguous()
     assert pool.kv.numel() * 4 == KVPool.nbytes_for(TINY, pool.cache)
     k, v = pool.layer_view(1)
-    k[3 * 8 + 2] = 7.0  # block 3, offset 2 of layer 1's K
-    assert torch.all(pool.kv[1, 0, 3, 2] == 7.0)
+    k[3, 1, 2] = 7.0  # block 3, KV head 1, offset 2 of layer 1's K
+    assert torch.all(pool.kv[1, 0, 3, 1, 2] == 7.0)
+    assert pool.kv[1, 0, 3, 1].is_contiguous()   # one head of one block: one contiguous range
     assert v.data_ptr() == pool.kv[1, 1].data_ptr()
 
 
@@ -123,8 +124,8 @@ def test_grouped_decode_attention_equals_per_sequence_attention(pool_dtype, monk
     monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 100)   # several groups of uneven rows
     gen = torch.Generator().manual_seed(3)
     block, kv_heads, heads, dim = 8, 2, 6, 16
-    pool_k = torch.randn(64 * block, kv_heads, dim, generator=gen).to(pool_dtype)
-    pool_v = torch.randn(64 * block, kv_heads, dim, generator=gen).to(pool_dtype)
+    pool_k = torch.randn(64, kv_heads, block, dim, generator=gen).to(pool_dtype)   # the pool's layout
+    pool_v = torch.randn(64, kv_heads, block, dim, generator=gen).to(pool_dtype)
     contexts = [17, 5, 33, 33, 60, 1, 24]   # tokens already in the pool, the new one included
     tables = torch.randperm(64, generator=gen)[:len(contexts) * 8].view(len(contexts), 8).tolist()
     chunks = [SeqChunk([1], n - 1, t[:-(-n // block)]) for n, t in zip(contexts, tables)]
@@ -134,8 +135,8 @@ def test_grouped_decode_attention_equals_per_sequence_attention(pool_dtype, monk
     out = attention.paged_attention(q, None, None, pool_k, pool_v, batch, block)
     for i, (n, table) in enumerate(zip(contexts, tables)):
         slots = [table[p // block] * block + p % block for p in range(n)]
-        k = pool_k[slots].float().transpose(0, 1)[None]
-        v = pool_v[slots].float().transpose(0, 1)[None]
+        k = pool_k.transpose(1, 2).reshape(-1, kv_heads, dim)[slots].float().transpose(0, 1)[None]
+        v = pool_v.transpose(1, 2).reshape(-1, kv_heads, dim)[slots].float().transpose(0, 1)[None]
         ref = F.scaled_dot_product_attention(q[i][None, :, None], k, v, enable_gqa=True)
         torch.testing.assert_close(out[i], ref.reshape(-1), rtol=1e-5, atol=1e-5)
 

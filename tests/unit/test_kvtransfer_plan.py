@@ -17,7 +17,7 @@ BB = SRC.block_bytes
 
 
 def test_layout_from_tensor_and_offsets():
-    pool = torch.zeros(30, 2, 7, 16, 3, 64, dtype=torch.bfloat16)
+    pool = torch.zeros(30, 2, 7, 3, 16, 64, dtype=torch.bfloat16)   # [L, 2, N, H, block_size, D]
     layout = KVLayout.from_tensor(pool)
     assert layout == KVLayout(30, 7, 16, 3, 64, 2)
     assert layout.block_bytes == 16 * 3 * 64 * 2
@@ -27,7 +27,7 @@ def test_layout_from_tensor_and_offsets():
         expected = (pool[layer, kv, block].data_ptr() - pool.data_ptr())
         assert layout.offset(layer, kv, block) == expected
     with pytest.raises(PlanError):
-        KVLayout.from_tensor(torch.zeros(30, 3, 7, 16, 3, 64))
+        KVLayout.from_tensor(torch.zeros(30, 3, 7, 3, 16, 64))
     with pytest.raises(PlanError):
         layout.offset(0, 0, 7)
 
@@ -53,8 +53,8 @@ def test_plan_offsets_order_and_split():
 
 def test_plan_moves_exactly_the_blocks():
     rng = random.Random(1)
-    src_pool = torch.randn(30, 2, 100, 16, 3, 64)
-    dst_pool = torch.zeros(30, 2, 300, 16, 3, 64)
+    src_pool = torch.randn(30, 2, 100, 3, 16, 64)
+    dst_pool = torch.zeros(30, 2, 300, 3, 16, 64)
     src_ids = rng.sample(range(100), 40)
     dst_ids = rng.sample(range(300), 40)
     s = src_pool.view(torch.uint8).view(-1)

@@ -36,8 +36,9 @@ def reference(q, k_pool, v_pool, tables, lens, block, window, scale, softcap):
     heads, kv_heads = q.shape[1], k_pool.shape[1]
     for i, n in enumerate(lens.tolist()):
         slots = (tables[i, :, None] * block + torch.arange(block)).flatten()[:n]
-        k = k_pool[slots].double().repeat_interleave(heads // kv_heads, dim=1)   # [n, heads, dim]
-        v = v_pool[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        flat_k, flat_v = (p.transpose(1, 2).reshape(-1, kv_heads, p.shape[3]) for p in (k_pool, v_pool))
+        k = flat_k[slots].double().repeat_interleave(heads // kv_heads, dim=1)   # [n, heads, dim]
+        v = flat_v[slots].double().repeat_interleave(heads // kv_heads, dim=1)
         s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)

@@ -1,0 +1,140 @@
+"""KV between tensor-parallel groups of different sizes: which writer rank sends which KV heads to
+which reader rank, and the writes that takes.
+
+A group of TP size N holds a model's ``num_kv_heads`` KV heads split over its ranks, or, when N
+exceeds them, each head replicated on N / num_kv_heads consecutive ranks (`rank_heads`: the same
+split as the engine's, `engine.tp.kv_heads_of`). A prefill group of TP ``a`` and a decode group
+of TP ``b`` exchange a request's KV as *routes*: for every decode rank, each KV head it holds comes
+from one prefill rank holding that head (among replicas, the one at ``reader rank % replicas``, so
+replicated writers share the load), consecutive heads from one writer forming one route.
+
+The pool is head-major within a block (``[L, 2, N, H, block_size, D]``, `kvtransfer.layout`), so a
+route's heads in one block of one (layer, K|V) are one contiguous byte range on both sides: a
+route moves ``layers x 2 x blocks`` writes (`plan_route_writes`), and a route carrying every head
+of both pools (equal TP sizes, or TP 1 to TP 1) coalesces runs of consecutive blocks as
+`kvtransfer.plan.plan_writes` does. Both sides compute the same routes and writes, so each decode
+rank knows how many immediates to count: the sum of its routes' writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtransfer.errors import PlanError
+from kvtransfer.layout import KV, KVLayout
+from kvtransfer.plan import PlannedWrite, plan_writes
+
+
+def rank_heads(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """``(first, count)``: the model's KV heads that rank ``rank`` of a TP-``size`` group holds.
+
+    Raises PlanError unless ``size`` divides ``num_kv_heads`` or ``num_kv_heads`` divides ``size``
+    and ``0 <= rank < size``."""
+    if size < 1 or not 0 <= rank < size:
+        raise PlanError(f"rank {rank} outside a tensor-parallel group of {size}")
+    if num_kv_heads % size == 0:
+        return rank * (num_kv_heads // size), num_kv_heads // size
+    if size % num_kv_heads == 0:
+        return rank // (size // num_kv_heads), 1
+    raise PlanError(f"{num_kv_heads} KV heads cannot be split over {size} ranks")
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRoute:
+    """Consecutive KV heads one writer rank sends to one reader rank.
+
+    Fields:
+        src_rank, dst_rank: the prefill (writer) and decode (reader) TP ranks.
+        src_head, dst_head: the first head's index in the writer's and in the reader's pool.
+        num_heads: how many consecutive heads.
+    """
+
+    src_rank: int
+    dst_rank: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+
+def head_routes(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[HeadRoute]:
+    """Every route from a TP-``src_tp`` writer group to a TP-``dst_tp`` reader group, ordered by
+    reader rank then head (module doc). Every head of every reader rank is covered exactly once.
+    Raises PlanError as `rank_heads` does."""
+    routes: list[HeadRoute] = []
+    for dst in range(dst_tp):
+        first, count = rank_heads(num_kv_heads, dst, dst_tp)
+        for head in range(first, first + count):
+            holders = [r for r in range(src_tp) if _holds(num_kv_heads, r, src_tp, head)]
+            src = holders[dst % len(holders)]
+            src_first = rank_heads(num_kv_heads, src, src_tp)[0]
+            last = routes[-1] if routes else None
+            if (last is not None and last.dst_rank == dst and last.src_rank == src
+                    and last.src_head + last.num_heads == head - src_first
+                    and last.dst_head + last.num_heads == head - first):
+                routes[-1] = HeadRoute(src, dst, last.src_head, last.dst_head, last.num_heads + 1)
+            else:
+                routes.append(HeadRoute(src, dst, head - src_first, head - first, 1))
+    return routes
+
+
+def _holds(num_kv_heads: int, rank: int, size: int, head: int) -> bool:
+    first, count = rank_heads(num_kv_heads, rank, size)
+    return first <= head < first + count
+
+
+def plan_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRoute,
+                      src_block_ids: Sequence[int], dst_block_ids: Sequence[int], max_write_bytes: int,
+                      layers: Iterable[int] | None = None) -> list[PlannedWrite]:
+    """The writes of one route: for each layer, K then V, each block pair in order, the route's
+    heads as one byte range (split at ``max_write_bytes``); a route of every head of both pools is
+    `kvtransfer.plan.plan_writes` (runs of consecutive blocks coalesced).
+
+    Args:
+        src_layout, dst_layout: the writer rank's and the reader rank's pools (their
+            ``num_kv_heads`` are each rank's own; every other field but ``num_blocks`` must match).
+        route: from `head_routes`.
+    Raises:
+        PlanError: layouts that differ in more than heads and blocks, a route outside either
+            pool's heads, or what `plan_writes` refuses.
+    """
+    if (src_layout.num_layers, src_layout.block_size, src_layout.head_dim, src_layout.itemsize) != (
+            dst_layout.num_layers, dst_layout.block_size, dst_layout.head_dim, dst_layout.itemsize):
+        raise PlanError(f"incompatible layouts: {src_layout} vs {dst_layout}")
+    for side, head, layout in (("source", route.src_head, src_layout), ("destination", route.dst_head, dst_layout)):
+        if route.num_heads < 1 or head < 0 or head + route.num_heads > layout.num_kv_heads:
+            raise PlanError(f"{side} heads [{head}, {head + route.num_heads}) outside the pool's "
+                            f"{layout.num_kv_heads} KV heads")
+    if route.num_heads == src_layout.num_kv_heads == dst_layout.num_kv_heads:
+        return plan_writes(src_layout, dst_layout, src_block_ids, dst_block_ids, max_write_bytes, layers)
+    layer_list = list(range(src_layout.num_layers) if layers is None else layers)
+    _check(src_layout, src_block_ids, dst_layout, dst_block_ids, max_write_bytes, layer_list)
+    head_bytes = src_layout.block_size * src_layout.head_dim * src_layout.itemsize
+    length = route.num_heads * head_bytes
+    writes: list[PlannedWrite] = []
+    for layer in layer_list:
+        for kv in (KV.K, KV.V):
+            for src_block, dst_block in zip(src_block_ids, dst_block_ids):
+                src_off = src_layout.offset(layer, kv, src_block) + route.src_head * head_bytes
+                dst_off = dst_layout.offset(layer, kv, dst_block) + route.dst_head * head_bytes
+                for start in range(0, length, max_write_bytes):
+                    writes.append(PlannedWrite(layer, kv, src_off + start, dst_off + start,
+                                               min(max_write_bytes, length - start)))
+    return writes
+
+
+def _check(src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int],
+           max_write_bytes: int, layers: list[int]) -> None:
+    if max_write_bytes <= 0:
+        raise PlanError(f"max_write_bytes must be positive, got {max_write_bytes}")
+    bad_layers = [l for l in layers if not 0 <= l < src.num_layers]
+    if bad_layers:
+        raise PlanError(f"layers {bad_layers[:4]} outside [0, {src.num_layers})")
+    if len(src_ids) != len(dst_ids):
+        raise PlanError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    for name, ids, layout in (("source", src_ids, src), ("destination", dst_ids, dst)):
+        bad = [b for b in ids if not 0 <= b < layout.num_blocks]
+        if bad:
+            raise PlanError(f"{name} block ids {bad[:4]} outside [0, {layout.num_blocks})")
+    if len(set(dst_ids)) != len(dst_ids):
+        raise PlanError("destination block ids repeat")
