@@ -143,7 +143,7 @@ class DecodeService(pb_grpc.DecodeServicer):
     # -- WorkerService ---------------------------------------------------------------------------
     def load(self) -> pb.LoadStats:
         d = self.worker.load()
-        problem = check([self.worker.watch])
+        problem = check([self.worker.watch]) or (self.res.lost_reason if self.res.lost.is_set() else None)
         return pb.LoadStats(free_blocks=d.free_blocks, total_blocks=d.total_blocks, running=d.running,
                             waiting=d.waiting_kv, reserved_blocks=d.reserved_blocks, draining=d.draining,
                             unhealthy=problem is not None, unhealthy_reason=problem or "")

@@ -50,7 +50,7 @@ from decode.reservation import Reservation, ResState, TransferSlot
 from decode.sink import Sink
 from engine.block_hash import block_hashes
 from engine.config import SchedulerConfig
-from engine.errors import CapacityError, InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError, TensorParallelError
 from engine.ids import BlockId
 from engine.generator import Generator, StepOutput
 from engine.grammar import Grammars, matcher_for
@@ -59,7 +59,7 @@ from engine.sampling import SamplingParams
 from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason
 from kvtransfer import KVTransferError, PeerLostError, SlotState, TransferError, TransferTimeout
-from worker.errors import DrainingError, UnknownRequestError
+from worker.errors import DrainingError, TensorParallelTransferError, UnknownRequestError
 from worker.gate import StepGate
 from worker.liveness import LoopWatch
 from worker.runtime import WorkerResources
@@ -135,8 +135,13 @@ class DecodeWorker:
 
         Raises:
             InvalidRequestError (bad id, counts or prompt, duplicate id), DrainingError,
-            CapacityError (pool or slots full; nothing is held).
+            CapacityError (pool or slots full; nothing is held), TensorParallelTransferError
+            (a tensor-parallel worker: it serves colocated requests only).
         """
+        if self.res.config.tensor_parallel_size > 1:
+            raise TensorParallelTransferError(
+                f"decode worker {self.res.config.worker_id} runs at tensor parallel size "
+                f"{self.res.config.tensor_parallel_size} and takes no KV transfer yet: colocated requests only")
         check_request_id(request_id)
         if not 1 <= num_prompt_tokens < self._model.max_position:
             raise InvalidRequestError(f"num_prompt_tokens must be in [1, {self._model.max_position}), "
@@ -419,8 +424,10 @@ class DecodeWorker:
         """One generator step (gate held), then its outputs to their requests."""
         try:
             outputs = self.gen.step()
-        except Exception:  # a bug in a step must not kill the worker silently
+        except Exception as exc:  # a bug in a step must not kill the worker silently
             log.exception("decode step failed; aborting the running batch")
+            if isinstance(exc, TensorParallelError):   # a rank is gone: so is this worker
+                self.res.lose(f"tensor-parallel group broken: {exc}")
             outputs = [o for rid in [s.request_id for s in self.gen.running + list(self.gen.waiting)]
                        if (o := self.gen.abort(rid)) is not None]
         with self._state:

@@ -43,6 +43,12 @@ class LoadedModel:
         return weights_dtype(self.weights)
 
     @property
+    def pool_config(self) -> ModelConfig:
+        """The shapes this process's KV pool holds: the model's, or with tensor parallelism rank
+        0's share of the KV heads (`engine.tp.local_config`)."""
+        return getattr(self.model, "local_config", self.config)
+
+    @property
     def kv_dtype(self) -> str:
         """KV pool dtype name ("float32", "bfloat16"): what `CacheConfig.dtype` must be."""
         return kv_cache_dtype(self.weights)
@@ -220,13 +226,12 @@ def build_model(path: str | Path, weights: str, device: str = "cpu", gemv_copies
 
 def make_pool(loaded: LoadedModel, cache: CacheConfig, buffer: torch.Tensor | None = None) -> KVPool:
     """The KV pool ``loaded``'s model runs over: a `KVPool` of ``cache`` on the model's device
-    (over ``buffer`` if given), or a tensor-parallel model's own (`TensorParallelModel.create_pool`,
-    which takes no buffer)."""
+    (over ``buffer`` if given, of at least ``KVPool.nbytes_for(loaded.pool_config, cache)`` bytes),
+    or a tensor-parallel model's (`TensorParallelModel.create_pool`: rank 0's over ``buffer``, the
+    other ranks' their own)."""
     create = getattr(loaded.model, "create_pool", None)
     if create is not None:
-        if buffer is not None:
-            raise ValueError("a tensor-parallel model's KV pools are allocated by its ranks, not over a buffer")
-        return create(cache)
+        return create(cache, buffer)
     return KVPool(loaded.config, cache, buffer=buffer, device=loaded.model.device)
 
 

@@ -90,11 +90,12 @@ class TensorParallelModel:
         """Rank 0's `LayerKV` per layer (each rank holds as many heads: `engine.tp.local_config`)."""
         return self._local.kv_layers()
 
-    def create_pool(self, cache: CacheConfig) -> KVPool:
-        """Rank 0's KV pool of ``cache`` (its KV heads), every other rank building its own alike.
-        Raises TensorParallelError when a rank is gone."""
+    def create_pool(self, cache: CacheConfig, buffer: torch.Tensor | None = None) -> KVPool:
+        """Rank 0's KV pool of ``cache`` (its KV heads; over ``buffer`` if given, as
+        `engine.kv_cache.KVPool`), every other rank building its own alike. Raises
+        TensorParallelError when a rank is gone."""
         self._command("pool", cache)
-        self._pool = ShardedKVPool(self, self.local_config, cache, device=self.device)
+        self._pool = ShardedKVPool(self, self.local_config, cache, buffer=buffer, device=self.device)
         return self._pool
 
     def forward(self, batch, pool: KVPool, on_layer_done=None) -> torch.Tensor:

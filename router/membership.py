@@ -103,6 +103,7 @@ class Member:
     last_seen: float = 0.0
     peers: frozenset[str] = frozenset()
     prefix_caching: bool = False   # keeps a prefix cache and publishes its KV events
+    tensor_parallel_size: int = 1  # TP ranks; above 1: colocated requests only, never linked
 
     @property
     def routable(self) -> bool:
@@ -114,7 +115,7 @@ class Member:
                 "grpc_address": self.grpc_address, "host_id": self.host_id,
                 "transfer_engine": self.transfer_engine, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "peers": sorted(self.peers),
-                "prefix_caching": self.prefix_caching,
+                "prefix_caching": self.prefix_caching, "tensor_parallel_size": self.tensor_parallel_size,
                 "load": self.load.__dict__, "seconds_since_heartbeat":
                     round(time.monotonic() - self.last_seen, 3)}
 
@@ -174,6 +175,7 @@ class Membership:
                             info.host_id, info.model_name, info.num_blocks, info.block_size,
                             info.transfer_engine, next(self._epochs), last_seen=self._clock(),
                             prefix_caching=info.prefix_caching,
+                            tensor_parallel_size=max(1, info.tensor_parallel_size),
                             state=WorkerState.CONNECTED if self._standalone_decode and role == "decode"
                             else WorkerState.JOINING)
             self._members[member.worker_id] = member
@@ -234,10 +236,11 @@ class Membership:
         return True
 
     def unlinked_pairs(self) -> list[tuple[Member, Member]]:
-        """(prefill, decode) pairs of live, non-draining members not yet brokered."""
+        """(prefill, decode) pairs of live, non-draining members not yet brokered; a member at a
+        tensor parallel size above 1 takes no KV transfer yet and pairs with none."""
         with self._lock:
             live = [m for m in self._members.values()
-                    if m.state in (WorkerState.JOINING, WorkerState.CONNECTED)]
+                    if m.state in (WorkerState.JOINING, WorkerState.CONNECTED) and m.tensor_parallel_size == 1]
         return [(p, d) for p in live if p.role == "prefill" for d in live
                 if d.role == "decode" and d.worker_id not in p.peers]
 

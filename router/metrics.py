@@ -97,15 +97,19 @@ class _WorkerLoadCollector:
                                    "prefix cache (the router's KV index of it)", labels=["worker_id", "role"])
         evicted = CounterMetricFamily("pdserve_worker_prefix_cache_evictions", "Blocks evicted from a "
                                       "worker's prefix cache since it registered", labels=["worker_id", "role"])
+        tp = GaugeMetricFamily("pdserve_worker_tensor_parallel_size", "Processes (TP ranks) a worker's model "
+                               "is sharded over", labels=["worker_id", "role"])
         sizes, evictions = self._m.kv_index.sizes(), dict(self._m.kv_index.evictions)
         for m in self._m.members():
             for f, fam in families.items():
                 fam.add_metric([m.worker_id, m.role], float(getattr(m.load, f)))
             state.add_metric([m.worker_id, m.role], float(m.state))
+            tp.add_metric([m.worker_id, m.role], float(m.tensor_parallel_size))
             if m.worker_id in sizes:
                 cached.add_metric([m.worker_id, m.role], float(sizes[m.worker_id]))
                 evicted.add_metric([m.worker_id, m.role], float(evictions.get(m.worker_id, 0)))
         yield from families.values()
         yield state
+        yield tp
         yield cached
         yield evicted

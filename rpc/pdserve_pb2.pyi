@@ -78,7 +78,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "host_id", "protocol_version", "compat_hash", "model_name", "num_blocks", "block_size", "transfer_engine", "prefix_caching")
+    __slots__ = ("worker_id", "role", "grpc_address", "host_id", "protocol_version", "compat_hash", "model_name", "num_blocks", "block_size", "transfer_engine", "prefix_caching", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENGINE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     grpc_address: str
@@ -101,7 +102,8 @@ class WorkerInfo(_message.Message):
     block_size: int
     transfer_engine: str
     prefix_caching: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., model_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transfer_engine: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., model_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transfer_engine: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class LoadStats(_message.Message):
     __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "queued_prompt_tokens", "draining", "reserved_blocks", "unhealthy", "unhealthy_reason")

@@ -61,7 +61,11 @@ class WorkerConfig:
             (KV-aware routing).
         warmup_chunk_tokens: prefill with prefix caching: most tokens per forward pass of a
             prefix-cache warm-up (`prefill.worker`; a prefill arriving stops the pass).
-        threads: torch threads of this process.
+        threads: torch threads of this process (and of each tensor-parallel rank).
+        tensor_parallel_size: N > 1 shards the model over N processes (`engine.tp`): this one
+            and N - 1 rank processes it starts. Decode workers only, serving colocated requests
+            (`Decode.ServeColocated`): KV between TP groups is not built yet, so the router links
+            no prefill worker to such a worker and its `Reserve` is refused.
         enforce_eager: run the model's layers eagerly (vLLM's name); False: as compiled graphs
             (`engine.compiled`: ``torch.compile``, built at start-up, their build time logged,
             inductor's caches on disk so a restart reuses them).
@@ -101,6 +105,7 @@ class WorkerConfig:
     prefix_caching: bool = False
     warmup_chunk_tokens: int = 128
     threads: int = 1
+    tensor_parallel_size: int = 1
     enforce_eager: bool = True
     parallel_min_tokens: int = 64
     transfer_engine: str = "auto"
@@ -127,7 +132,7 @@ class WorkerConfig:
         if self.transfer_engine not in TRANSFER_ENGINES:
             raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "warmup_chunk_tokens",
-                     "threads",
+                     "threads", "tensor_parallel_size",
                      "max_write_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -147,6 +152,11 @@ class WorkerConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
         if self.device.startswith("cuda") and self.transfer_engine not in ("verbs", "auto"):
             raise ValueError("a CUDA KV pool needs the verbs engine (GPUDirect); tcp and shm move host memory")
+        if self.tensor_parallel_size > 1 and self.role == "prefill":
+            raise ValueError("a prefill worker runs at --tensor-parallel-size 1: KV written between tensor-parallel "
+                             "groups is not built yet (decode workers serve colocated at TP > 1)")
+        if self.tensor_parallel_size > 1 and not self.enforce_eager:
+            raise ValueError("compiled layers do not run tensor-parallel yet; use --enforce-eager")
         if self.quarantine_s <= self.prefill_timeout_s:
             raise ValueError("quarantine_s must exceed prefill_timeout_s (a writer's lease)")
         if len(self.secret) < 16:

@@ -25,7 +25,7 @@ import torch
 
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
-from engine.loader import LoadedModel, load_model, set_torch_threads
+from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
                         allocate_shared_buffer, create_engine)
@@ -72,7 +72,10 @@ def bound_native_memory(role: str) -> None:
 
 @dataclass
 class WorkerResources:
-    """What every worker holds: model, KV pool, transfer engine and the pool's registration."""
+    """What every worker holds: model, KV pool, transfer engine and the pool's registration.
+
+    ``lost`` is set (with ``lost_reason``) when the worker cannot serve again (a tensor-parallel
+    rank is gone): `serve` then stops the process, and the router retries its requests."""
 
     config: WorkerConfig
     loaded: LoadedModel
@@ -83,9 +86,20 @@ class WorkerResources:
     region: MemoryRegion
     compat_hash: str
     shared: object | None = None
+    lost: threading.Event = dataclasses.field(default_factory=threading.Event)
+    lost_reason: str = ""
+
+    def lose(self, reason: str) -> None:
+        """Mark the worker unable to serve again (``lost``); `serve` stops it."""
+        self.lost_reason = self.lost_reason or reason
+        log.critical("worker lost: %s", reason)
+        self.lost.set()
 
     def close(self) -> None:
         self.transfer.close()
+        close = getattr(self.loaded.model, "close", None)
+        if close is not None:   # a tensor-parallel model: stop its rank processes
+            close()
         if self.shared is not None:
             self.shared.close()
 
@@ -99,7 +113,8 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     """
     set_torch_threads(config.threads)
     loaded = loaded or load_model(config.model, config.weights, config.device,
-                                 gemv_copies=config.role != "prefill", compiled=not config.enforce_eager)
+                                 gemv_copies=config.role != "prefill", compiled=not config.enforce_eager,
+                                 tensor_parallel_size=config.tensor_parallel_size, threads=config.threads)
     if config.weights == "auto":   # the mode load_model resolved it to (the compatibility hash's)
         config = dataclasses.replace(config, weights=loaded.weights)
     reason = prefix_caching_conflict(loaded.config)
@@ -107,7 +122,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         log.warning("prefix caching turned off: %s", reason)
         config = dataclasses.replace(config, prefix_caching=False)
     cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks, dtype=config.kv_dtype)
-    nbytes = KVPool.nbytes_for(loaded.config, cache)
+    nbytes = KVPool.nbytes_for(loaded.pool_config, cache)   # with TP: rank 0's KV heads
     shared = None
     if config.device != "cpu":  # GPUDirect: the verbs engine registers device memory
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=config.device)
@@ -115,7 +130,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         buffer, shared = allocate_shared_buffer(nbytes)
     else:
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
-    pool = KVPool(loaded.config, cache, buffer=buffer)
+    pool = make_pool(loaded, cache, buffer)
     if not config.enforce_eager:
         seconds = loaded.model.warm_up(pool)
         log.info("compiled the model's layers in %.1f s (inductor's cache: %s)", seconds,
@@ -146,7 +161,8 @@ def worker_info(res: WorkerResources, address: str) -> pb.WorkerInfo:
         worker_id=c.worker_id, role=pb.PREFILL if c.role == "prefill" else pb.DECODE,
         grpc_address=address, host_id=local_host_id(), protocol_version=PROTOCOL_VERSION,
         compat_hash=res.compat_hash, model_name=res.loaded.config.name, num_blocks=c.num_blocks,
-        block_size=c.block_size, transfer_engine=c.transfer_engine, prefix_caching=c.prefix_caching)
+        block_size=c.block_size, transfer_engine=c.transfer_engine, prefix_caching=c.prefix_caching,
+        tensor_parallel_size=c.tensor_parallel_size)
 
 
 class WorkerProcess:
@@ -203,7 +219,8 @@ class WorkerProcess:
 
 
 def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerProcess]) -> int:
-    """Run a worker until SIGTERM/SIGINT; returns the process exit code."""
+    """Run a worker until SIGTERM/SIGINT; returns the process exit code: 0, 3 when the router
+    refused the registration, 4 when the worker was lost (`WorkerResources.lose`)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.worker_id} %(levelname)s %(name)s: %(message)s")
     bound_native_memory(config.role)
     process = build(config)
@@ -211,8 +228,9 @@ def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerProcess]) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     process.start()
-    while not stop.is_set() and not process.stopped.is_set():
+    while not stop.is_set() and not process.stopped.is_set() and not process.res.lost.is_set():
         stop.wait(0.5)
     refused = process.stopped.is_set() and not stop.is_set()
+    lost = process.res.lost.is_set()
     process.stop()
-    return 3 if refused else 0
+    return 4 if lost else 3 if refused else 0

@@ -2,11 +2,17 @@
 worker serving every request on decode workers (``Decode.ServeColocated``), and a 1 prefill + 1 decode
 cluster in auto mode sending short prompts colocated and long ones disaggregated. Greedy output
 equals the single-process engine's on both paths, requests are counted by path, stop strings and
-client disconnects free every KV block, and workers are pinned to the CPUs asked for."""
+client disconnects free every KV block, and workers are pinned to the CPUs asked for. A third
+cluster serves colocated on a tensor-parallel decode worker (SmolLM2 over 3 ranks) beside a
+TP-1 one: the same answers, its TP size in /admin/workers and the metrics, and a rank killed with
+SIGKILL under load takes its worker out while every request completes on the other."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +35,7 @@ MODES = {
                            cpu_affinity=(0, 1)),
     "auto-1p1d": dict(num_prefill=1, num_decode=1, serving_mode="auto",
                       colocated_threshold_tokens=THRESHOLD, transfer_engine="auto"),
+    "colocated-tp3": dict(num_prefill=0, num_decode=2, serving_mode="colocated", decode_tp=(3, 1)),
 }
 
 
@@ -145,3 +152,71 @@ def test_workers_are_pinned_as_asked(cluster):
             assert allowed == str(cluster.cpus[w.name]), w.name
     if cluster.config.cpu_affinity:
         assert cluster.cpus == {"decode-0": 0, "decode-1": 1}
+
+
+def _tp_ranks(pid: int) -> list[int]:
+    """The tensor-parallel follower processes a worker started (its children named pdserve-tp-r<r>)."""
+    ranks = []
+    for p in Path("/proc").iterdir():
+        try:
+            stat = (p / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        comm, ppid = stat[stat.index("(") + 1:stat.rindex(")")], int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == pid and comm.startswith("pdserve-tp-r"):
+            ranks.append(int(p.name))
+    return sorted(ranks)
+
+
+def test_tensor_parallel_sizes_are_shown(cluster):
+    workers = {w["id"]: w for w in httpx.get(f"{cluster.url}/admin/workers", timeout=10).json()}
+    sizes = {name: w["tensor_parallel_size"] for name, w in workers.items()}
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    shown = {m[0]: int(float(m[1])) for m in re.findall(
+        r'^pdserve_worker_tensor_parallel_size\{role="decode",worker_id="([\w-]+)"\} (\S+)$', metrics, re.M)}
+    tp = cluster.config.decode_tp
+    expect = {w.name: tp[min(int(w.name.split("-")[1]), len(tp) - 1)] if w.name.startswith("decode") else 1
+              for w in cluster.workers}
+    assert sizes == expect
+    assert shown == {name: n for name, n in expect.items() if name.startswith("decode")}
+    for w in cluster.workers:
+        assert len(_tp_ranks(w.pid)) == expect.get(w.name, 1) - 1, w.name
+
+
+def test_a_killed_tp_rank_takes_its_worker_out_and_every_request_completes(cluster, reference, tokenizer):
+    if max(cluster.config.decode_tp) == 1:
+        pytest.skip("only the tensor-parallel cluster has ranks to kill")
+    tp_worker = next(w for w in cluster.workers if w.name == "decode-0")
+    ranks = _tp_ranks(tp_worker.pid)
+    client = openai_client(cluster)
+
+    def one(i):
+        prompt = (SHORT, LONG)[i % 2]
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True)
+        return prompt, "".join(c.choices[0].text for c in chunks if c.choices)
+
+    def retries() -> float:
+        text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        return float(re.search(r"^pdserve_request_retries_total (\S+)$", text, re.M).group(1))
+
+    before = retries()
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(2.0)   # requests on both workers, decode-0's ranks mid-step
+        os.kill(ranks[0], signal.SIGKILL)
+        results = [f.result() for f in futures]
+    for prompt, text in results:
+        assert text == reference(tokenizer.encode(prompt), MAX_TOKENS).text, prompt
+    assert retries() > before   # decode-0's requests in flight were retried on decode-1
+    deadline = time.monotonic() + 60
+    while tp_worker.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not tp_worker.alive() and tp_worker.popen.returncode == 4   # lost, as `worker.runtime.serve` says
+    assert not any(Path(f"/proc/{r}").exists() and "Z" not in Path(f"/proc/{r}/stat").read_text().split()[2]
+                   for r in ranks)
+    workers = httpx.get(f"{cluster.url}/admin/workers", timeout=10).json()
+    assert [w["id"] for w in workers] == ["decode-1"]
+    r = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference(tokenizer.encode(SHORT), MAX_TOKENS).text
+    assert_pools_full(cluster, num_workers=1)
