@@ -314,9 +314,9 @@ def store_kv(pool: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], x: to
 
 def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """A sequence's first ``length`` positions of ``pool`` (``[num_blocks, kv_heads, block_size,
-    dim]``) through its ``blocks``, as ``[length, kv_heads, dim]``."""
-    per_block = pool.index_select(0, blocks[:-(-length // block_size)])
-    return per_block.transpose(1, 2).reshape(-1, *per_block.shape[1::2])[:length]
+    dim]``) through its ``blocks``, as ``[length, kv_heads, dim]`` (a view of one gathered copy)."""
+    per_block = pool.transpose(0, 1).index_select(1, blocks[:-(-length // block_size)])
+    return per_block.view(pool.shape[1], -1, pool.shape[3])[:, :length].transpose(0, 1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -368,14 +368,10 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
         n = g.hi - g.lo
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
-            per_block = pool.index_select(0, g.blocks)   # [n * blocks, kv_heads, block_size, dim]
-            src = per_block.view(n, -1, kv_heads, block_size, dim).transpose(1, 2)
+            per_block = pool.transpose(0, 1).index_select(1, g.blocks)   # [kv_heads, n * blocks, block_size, dim]
+            src = per_block.view(kv_heads, n, -1, dim)[:, :, :g.span]
             out = torch.empty(n, kv_heads, g.span, dim, dtype=q.dtype, device=q.device)
-            full, rest = divmod(g.span, block_size)
-            out[:, :, :full * block_size].view(n, kv_heads, full, block_size, dim).copy_(src[:, :, :full])
-            if rest:
-                out[:, :, full * block_size:].copy_(src[:, :, full, :rest])
-            return out
+            return out.copy_(src.transpose(0, 1))
 
         bias = batch.decode_bias(g, window, q.dtype)
         o = _attend(q[g.lo:g.hi], gather(k_pool), gather(v_pool), bias, scale, softcap)

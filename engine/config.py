@@ -306,7 +306,7 @@ def compatibility_hash(model: ModelConfig, cache: CacheConfig, weights: str = "f
 
     Covers the model hyper-parameters, the weights mode (``native`` and ``bf16`` weights give
     different K/V for the same tokens), the pool dtype, the block size and the pool layout
-    ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` (num_blocks excluded:
+    ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`` (num_blocks excluded:
     pools may differ in size). Returns 16 hex characters.
     """
     payload = {
@@ -314,7 +314,7 @@ def compatibility_hash(model: ModelConfig, cache: CacheConfig, weights: str = "f
         "weights": weights,
         "dtype": cache.dtype,
         "block_size": cache.block_size,
-        "layout": "L,2,N,H,B,D",
+        "layout": "L,2,H,N,B,D",
     }
     blob = json.dumps(payload, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

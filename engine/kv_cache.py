@@ -1,11 +1,11 @@
 """The paged KV pool and its block allocator.
 
 Layout (ARCHITECTURE.md, "KV pool layout"): ONE contiguous tensor
-``[num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]`` so that a single memory
-registration covers the pool, a (layer, K|V, run of consecutive blocks) is one contiguous byte
-range, and so is a (layer, K|V, block, run of consecutive KV heads): head-major within a block
-(vLLM's "HND"), so a tensor-parallel peer holding other heads reads or writes a block's head slice
-in one piece. A token at position ``p`` of a sequence lives in block ``block_table[p // block_size]``
+``[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]`` so that a single memory
+registration covers the pool and a (layer, K|V, KV head, run of consecutive blocks) is one
+contiguous byte range: head-major above the blocks, so a request's transfer takes as many writes
+whichever KV heads each side holds (tensor-parallel peers of different sizes: `kvtransfer.tp`;
+docs/PERFORMANCE.md, "Writes between TP sizes"). A token at position ``p`` of a sequence lives in block ``block_table[p // block_size]``
 at offset ``p % block_size``; its flat slot is ``block * block_size + p % block_size``.
 
 Ownership: the allocator hands out `BlockId`s with a reference count of one; `BlockAllocator.free`
@@ -240,7 +240,7 @@ class KVPool:
     """The KV cache tensor of one worker plus its allocator.
 
     Attributes:
-        kv: ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``, ``cache.dtype``.
+        kv: ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``, ``cache.dtype``.
         allocator: the `BlockAllocator` over ``num_blocks``.
     """
 
@@ -257,7 +257,7 @@ class KVPool:
         """
         self.model = model
         self.cache = cache
-        self.shape = (model.num_layers, 2, cache.num_blocks, model.num_kv_heads,
+        self.shape = (model.num_layers, 2, model.num_kv_heads, cache.num_blocks,
                       cache.block_size, model.head_dim)
         if buffer is None:
             self.kv = torch.zeros(self.shape, dtype=cache.torch_dtype, device=device)
@@ -285,13 +285,14 @@ class KVPool:
         return self.cache.num_blocks
 
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as ``[num_blocks, num_kv_heads, block_size, head_dim]`` views."""
-        return self.kv[layer, 0], self.kv[layer, 1]
+        """K and V of one layer as ``[num_blocks, num_kv_heads, block_size, head_dim]`` views (of
+        the head-major storage: strided, contiguous in ``head_dim`` and in ``block_size, head_dim``)."""
+        return self.kv[layer, 0].transpose(0, 1), self.kv[layer, 1].transpose(0, 1)
 
     def copy_blocks(self, src: Sequence[BlockId], dst: Sequence[BlockId]) -> None:
         """Copy every layer's K and V of blocks ``src`` into blocks ``dst`` (pairwise; forking a
         sequence's partial last block)."""
-        self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
+        self.kv[:, :, :, list(dst)] = self.kv[:, :, :, list(src)]
 
     def slots(self, block_table: Sequence[BlockId], start: int, end: int) -> list[int]:
         """Flat slot indices of positions ``start .. end - 1`` of a sequence."""

@@ -1,9 +1,11 @@
 """Byte geometry of a worker's KV pool.
 
 The pool is ONE contiguous buffer shaped
-``[num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]`` of ``itemsize``-byte
-elements, so one memory registration covers it, a (layer, K|V, run of consecutive block ids) is
-one contiguous byte range, and so is a (layer, K|V, block, run of consecutive KV heads). Prefill and decode pools share every field but ``num_blocks``.
+``[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]`` of ``itemsize``-byte
+elements, so one memory registration covers it and a (layer, K|V, KV head, run of consecutive block
+ids) is one contiguous byte range: a peer holding other KV heads (another tensor-parallel size,
+`kvtransfer.tp`) moves a request in as many writes as one holding the same heads. Prefill and decode
+pools share every field but ``num_blocks`` (and, between TP sizes, ``num_kv_heads``).
 """
 
 from __future__ import annotations
@@ -51,21 +53,28 @@ class KVLayout:
 
     @classmethod
     def from_tensor(cls, pool: torch.Tensor) -> "KVLayout":
-        """The layout of a pool tensor shaped ``[L, 2, N, H, block_size, D]``.
+        """The layout of a pool tensor shaped ``[L, 2, H, N, block_size, D]``.
 
         Raises ``PlanError`` unless the tensor is 6-d, contiguous and has 2 in dimension 1.
         """
         if pool.dim() != 6 or pool.shape[1] != 2:
-            raise PlanError(f"KV pool must be [L, 2, N, H, block_size, D], got {tuple(pool.shape)}")
+            raise PlanError(f"KV pool must be [L, 2, H, N, block_size, D], got {tuple(pool.shape)}")
         if not pool.is_contiguous():
             raise PlanError("KV pool must be contiguous")
-        layers, _, blocks, heads, block_size, head_dim = (int(x) for x in pool.shape)
+        layers, _, heads, blocks, block_size, head_dim = (int(x) for x in pool.shape)
         return cls(layers, blocks, block_size, heads, head_dim, pool.element_size())
 
     @property
+    def head_block_bytes(self) -> int:
+        """Bytes of one block of one (layer, K|V, KV head): ``block_size * head_dim * itemsize``; a
+        run of consecutive blocks of one head is contiguous."""
+        return self.block_size * self.head_dim * self.itemsize
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one (layer, K|V): ``block_size * num_kv_heads * head_dim * itemsize``."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one block of one (layer, K|V), every head: ``num_kv_heads * head_block_bytes``
+        (``num_kv_heads`` ranges)."""
+        return self.num_kv_heads * self.head_block_bytes
 
     @property
     def bytes_per_block(self) -> int:
@@ -78,8 +87,8 @@ class KVLayout:
         """Bytes of the whole pool."""
         return self.num_blocks * self.bytes_per_block
 
-    def offset(self, layer: int, kv: int, block: int) -> int:
-        """Byte offset of ``block`` of (``layer``, ``kv``) from the start of the pool.
+    def offset(self, layer: int, kv: int, block: int, head: int = 0) -> int:
+        """Byte offset of ``block`` of (``layer``, ``kv``, KV ``head``) from the start of the pool.
 
         Raises ``PlanError`` if any index is out of range.
         """
@@ -87,9 +96,11 @@ class KVLayout:
             raise PlanError(f"layer {layer} outside [0, {self.num_layers})")
         if kv not in (KV.K, KV.V):
             raise PlanError(f"kv must be 0 (K) or 1 (V), got {kv}")
+        if not 0 <= head < self.num_kv_heads:
+            raise PlanError(f"head {head} outside [0, {self.num_kv_heads})")
         if not 0 <= block < self.num_blocks:
             raise PlanError(f"block {block} outside [0, {self.num_blocks})")
-        return ((layer * 2 + kv) * self.num_blocks + block) * self.block_bytes
+        return (((layer * 2 + kv) * self.num_kv_heads + head) * self.num_blocks + block) * self.head_block_bytes
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""

@@ -4,10 +4,11 @@ The writer (prefill) and the reader (decode) must agree on how many writes a tra
 the reader knows the KV has arrived when it has counted that many immediates. Both call
 :func:`plan_writes` / :func:`count_writes` with the same inputs and get the same answer.
 
-Order of the plan: layer ascending, then K before V, then runs in the order of the block id lists.
-A *run* is a maximal stretch ``i..j`` of the id lists where both ``src_block_ids`` and
-``dst_block_ids`` increase by exactly 1 per step; each run becomes one byte range per
-(layer, K|V), split into pieces of at most ``max_write_bytes`` bytes.
+Order of the plan: layer ascending, then K before V, then KV head, then runs in the order of the
+block id lists. A *run* is a maximal stretch ``i..j`` of the id lists where both ``src_block_ids``
+and ``dst_block_ids`` increase by exactly 1 per step; each run becomes one byte range per
+(layer, K|V, head) (the pool is head-major: `kvtransfer.layout`), split into pieces of at most
+``max_write_bytes`` bytes.
 
 Layer-by-layer posting: pass ``layers=range(l, l + 1)`` to plan only layer ``l``; the
 concatenation of per-layer plans equals the all-layers plan, so counts add up.
@@ -77,23 +78,33 @@ def plan_writes(src_layout: KVLayout, dst_layout: KVLayout, src_block_ids: Seque
         max_write_bytes: no write is longer than this (bytes, > 0).
         layers: the layers to plan, in the order given; default all layers.
 
-    Returns: writes ordered by layer, then K|V, then run.
+    Returns: writes ordered by layer, then K|V, then head, then run.
     Raises: ``PlanError`` on any invalid input (nothing is planned partially).
     """
     layer_list = list(range(src_layout.num_layers) if layers is None else layers)
     _validate(src_layout, dst_layout, src_block_ids, dst_block_ids, max_write_bytes, layer_list)
-    runs = block_runs(src_block_ids, dst_block_ids)
-    bb = src_layout.block_bytes
+    return plan_head_writes(src_layout, dst_layout, 0, 0, src_layout.num_kv_heads,
+                            block_runs(src_block_ids, dst_block_ids), max_write_bytes, layer_list)
+
+
+def plan_head_writes(src_layout: KVLayout, dst_layout: KVLayout, src_head: int, dst_head: int,
+                     num_heads: int, runs: list[tuple[int, int, int]], max_write_bytes: int,
+                     layers: list[int]) -> list[PlannedWrite]:
+    """The writes moving heads ``src_head ..`` of the writer's pool into heads ``dst_head ..`` of
+    the reader's, ``num_heads`` of them, for each of ``runs`` (`block_runs`) and ``layers``
+    (checked by the caller): one range per (layer, K|V, head, run), split at ``max_write_bytes``."""
+    hb = src_layout.head_block_bytes
     writes: list[PlannedWrite] = []
-    for layer in layer_list:
+    for layer in layers:
         for kv in (KV.K, KV.V):
-            for src_block, dst_block, n in runs:
-                src_off = src_layout.offset(layer, kv, src_block)
-                dst_off = dst_layout.offset(layer, kv, dst_block)
-                total = n * bb
-                for start in range(0, total, max_write_bytes):
-                    length = min(max_write_bytes, total - start)
-                    writes.append(PlannedWrite(layer, kv, src_off + start, dst_off + start, length))
+            for h in range(num_heads):
+                for src_block, dst_block, n in runs:
+                    src_off = src_layout.offset(layer, kv, src_block, src_head + h)
+                    dst_off = dst_layout.offset(layer, kv, dst_block, dst_head + h)
+                    total = n * hb
+                    for start in range(0, total, max_write_bytes):
+                        length = min(max_write_bytes, total - start)
+                        writes.append(PlannedWrite(layer, kv, src_off + start, dst_off + start, length))
     return writes
 
 
@@ -103,6 +114,6 @@ def count_writes(src_layout: KVLayout, dst_layout: KVLayout, src_block_ids: Sequ
     """``len(plan_writes(...))`` without building the list; same arguments, same errors."""
     layer_list = list(range(src_layout.num_layers) if layers is None else layers)
     _validate(src_layout, dst_layout, src_block_ids, dst_block_ids, max_write_bytes, layer_list)
-    bb = src_layout.block_bytes
-    per_layer_kv = sum(-(-(n * bb) // max_write_bytes) for _, _, n in block_runs(src_block_ids, dst_block_ids))
-    return per_layer_kv * 2 * len(layer_list)
+    hb = src_layout.head_block_bytes
+    per_head = sum(-(-(n * hb) // max_write_bytes) for _, _, n in block_runs(src_block_ids, dst_block_ids))
+    return per_head * src_layout.num_kv_heads * 2 * len(layer_list)

@@ -8,12 +8,11 @@ of TP ``b`` exchange a request's KV as *routes*: for every decode rank, each KV 
 from one prefill rank holding that head (among replicas, the one at ``reader rank % replicas``, so
 replicated writers share the load), consecutive heads from one writer forming one route.
 
-The pool is head-major within a block (``[L, 2, N, H, block_size, D]``, `kvtransfer.layout`), so a
-route's heads in one block of one (layer, K|V) are one contiguous byte range on both sides: a
-route moves ``layers x 2 x blocks`` writes (`plan_route_writes`), and a route carrying every head
-of both pools (equal TP sizes, or TP 1 to TP 1) coalesces runs of consecutive blocks as
-`kvtransfer.plan.plan_writes` does. Both sides compute the same routes and writes, so each decode
-rank knows how many immediates to count: the sum of its routes' writes.
+The pool is head-major (``[L, 2, H, N, block_size, D]``, `kvtransfer.layout`), so one head's run of
+consecutive blocks is one contiguous byte range on both sides: a route moves ``layers x 2 x
+route heads x runs`` writes (`plan_route_writes`), and a request ``layers x 2 x KV heads x runs``
+whatever the two TP sizes (each reader head written once). Both sides compute the same routes and
+writes, so each decode rank knows how many immediates to count: the sum of its routes' writes.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtransfer.errors import PlanError
-from kvtransfer.layout import KV, KVLayout
-from kvtransfer.plan import PlannedWrite, plan_writes
+from kvtransfer.layout import KVLayout
+from kvtransfer.plan import PlannedWrite, block_runs, plan_head_writes
 
 
 def rank_heads(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
@@ -86,9 +85,9 @@ def _holds(num_kv_heads: int, rank: int, size: int, head: int) -> bool:
 def plan_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRoute,
                       src_block_ids: Sequence[int], dst_block_ids: Sequence[int], max_write_bytes: int,
                       layers: Iterable[int] | None = None) -> list[PlannedWrite]:
-    """The writes of one route: for each layer, K then V, each block pair in order, the route's
-    heads as one byte range (split at ``max_write_bytes``); a route of every head of both pools is
-    `kvtransfer.plan.plan_writes` (runs of consecutive blocks coalesced).
+    """The writes of one route: for each layer, K then V, each of the route's heads, one byte range
+    per run of blocks consecutive on both sides (`kvtransfer.plan.block_runs`), split at
+    ``max_write_bytes``; a route of every head of both pools is exactly `kvtransfer.plan.plan_writes`.
 
     Args:
         src_layout, dst_layout: the writer rank's and the reader rank's pools (their
@@ -96,7 +95,8 @@ def plan_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRou
         route: from `head_routes`.
     Raises:
         PlanError: layouts that differ in more than heads and blocks, a route outside either
-            pool's heads, or what `plan_writes` refuses.
+            pool's heads, block ids of unequal counts, outside a pool or repeated on the reader's
+            side, bad layers or ``max_write_bytes``.
     """
     if (src_layout.num_layers, src_layout.block_size, src_layout.head_dim, src_layout.itemsize) != (
             dst_layout.num_layers, dst_layout.block_size, dst_layout.head_dim, dst_layout.itemsize):
@@ -105,22 +105,10 @@ def plan_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRou
         if route.num_heads < 1 or head < 0 or head + route.num_heads > layout.num_kv_heads:
             raise PlanError(f"{side} heads [{head}, {head + route.num_heads}) outside the pool's "
                             f"{layout.num_kv_heads} KV heads")
-    if route.num_heads == src_layout.num_kv_heads == dst_layout.num_kv_heads:
-        return plan_writes(src_layout, dst_layout, src_block_ids, dst_block_ids, max_write_bytes, layers)
     layer_list = list(range(src_layout.num_layers) if layers is None else layers)
     _check(src_layout, src_block_ids, dst_layout, dst_block_ids, max_write_bytes, layer_list)
-    head_bytes = src_layout.block_size * src_layout.head_dim * src_layout.itemsize
-    length = route.num_heads * head_bytes
-    writes: list[PlannedWrite] = []
-    for layer in layer_list:
-        for kv in (KV.K, KV.V):
-            for src_block, dst_block in zip(src_block_ids, dst_block_ids):
-                src_off = src_layout.offset(layer, kv, src_block) + route.src_head * head_bytes
-                dst_off = dst_layout.offset(layer, kv, dst_block) + route.dst_head * head_bytes
-                for start in range(0, length, max_write_bytes):
-                    writes.append(PlannedWrite(layer, kv, src_off + start, dst_off + start,
-                                               min(max_write_bytes, length - start)))
-    return writes
+    return plan_head_writes(src_layout, dst_layout, route.src_head, route.dst_head, route.num_heads,
+                            block_runs(src_block_ids, dst_block_ids), max_write_bytes, layer_list)
 
 
 def _check(src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int],

@@ -67,7 +67,7 @@ def check_pool(model: CausalLM, pool: KVPool) -> None:
     """Raise ValueError, naming both sides, unless ``pool`` stores what ``model`` writes: one K and
     one V plane per layer of its `LayerKV` heads and width, in its ``kv_dtype``."""
     layers = model.kv_layers()
-    _, two, _, heads, _, dim = pool.kv.shape
+    _, two, heads, _, _, dim = pool.kv.shape
     got = [LayerKV(heads, dim)] * pool.kv.shape[0]
     if two != 2 or got != layers:
         raise ValueError(f"KV pool of {pool.kv.shape[0]} layers x {heads} heads x {dim} does not fit the "

@@ -23,12 +23,12 @@ SMOL = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
 
 
 def pool_shape(num_blocks: int) -> tuple[int, ...]:
-    return (SMOL["num_layers"], 2, num_blocks, SMOL["block_size"], SMOL["num_kv_heads"], SMOL["head_dim"])
+    return (SMOL["num_layers"], 2, SMOL["num_kv_heads"], num_blocks, SMOL["block_size"], SMOL["head_dim"])
 
 
 def blocks_digest(pool: torch.Tensor, block_ids: list[int]) -> str:
-    """SHA-256 of ``pool[:, :, block_ids]`` (all layers, K and V), in id order."""
-    gathered = pool[:, :, torch.tensor(block_ids, dtype=torch.long)].contiguous()
+    """SHA-256 of ``pool[:, :, :, block_ids]`` (all layers, K and V, heads), in id order."""
+    gathered = pool[:, :, :, torch.tensor(block_ids, dtype=torch.long)].contiguous()
     return hashlib.sha256(gathered.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 

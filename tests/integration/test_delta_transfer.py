@@ -112,7 +112,8 @@ def test_second_turn_receives_only_the_blocks_the_decode_worker_lacks(pair, smol
     need = -(-len(turn2) // BS)
     assert res2.bytes_written == (need - held) * _block_bytes(decode)
     assert res2.bytes_skipped == held * _block_bytes(decode)
-    assert res2.num_writes == 2 * decode.res.layout.num_layers   # one run of blocks per layer and K|V
+    layout = decode.res.layout   # one run of blocks per layer, K|V and head
+    assert res2.num_writes == 2 * layout.num_layers * layout.num_kv_heads
     assert res2.prefix_hit_tokens == (len(turn1) - 1) // BS * BS   # the prefill worker's own cache
     assert decode.res.pool.allocator.num_free == decode.res.pool.num_blocks
 

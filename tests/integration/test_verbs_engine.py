@@ -118,7 +118,7 @@ def test_qps_of_a_killed_writer_are_gone_before_on_peer_lost():
     rx = create_engine("verbs", engine_config(), arrivals=recorder)
     recorder.engine = rx
     try:
-        pool = torch.zeros((SMOL["num_layers"], 2, 64, 3, 16, 64))
+        pool = torch.zeros((SMOL["num_layers"], 2, 3, 64, 16, 64))
         rx.register_memory(pool)
         ids = list(range(64))
         proc, pipe, _ = spawn_writer("verbs", rx.describe().to_bytes(), 64, (ids, ids, 64, 1, 0),

@@ -64,13 +64,14 @@ def test_blocks_needed():
 
 def test_pool_is_one_contiguous_tensor_in_the_documented_layout():
     pool = KVPool(TINY, CacheConfig(block_size=8, num_blocks=5))
-    assert pool.kv.shape == (2, 2, 5, 2, 8, 4)   # layers, K/V, blocks, KV heads, block size, head dim
+    assert pool.kv.shape == (2, 2, 2, 5, 8, 4)   # layers, K/V, KV heads, blocks, block size, head dim
     assert pool.kv.is_contiguous()
     assert pool.kv.numel() * 4 == KVPool.nbytes_for(TINY, pool.cache)
     k, v = pool.layer_view(1)
+    assert k.shape == (5, 2, 8, 4)   # viewed [blocks, KV heads, block size, head dim]
     k[3, 1, 2] = 7.0  # block 3, KV head 1, offset 2 of layer 1's K
-    assert torch.all(pool.kv[1, 0, 3, 1, 2] == 7.0)
-    assert pool.kv[1, 0, 3, 1].is_contiguous()   # one head of one block: one contiguous range
+    assert torch.all(pool.kv[1, 0, 1, 3, 2] == 7.0)
+    assert pool.kv[1, 0, 1, 2:5].is_contiguous()   # one head's consecutive blocks: one range
     assert v.data_ptr() == pool.kv[1, 1].data_ptr()
 
 
@@ -124,8 +125,9 @@ def test_grouped_decode_attention_equals_per_sequence_attention(pool_dtype, monk
     monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 100)   # several groups of uneven rows
     gen = torch.Generator().manual_seed(3)
     block, kv_heads, heads, dim = 8, 2, 6, 16
-    pool_k = torch.randn(64, kv_heads, block, dim, generator=gen).to(pool_dtype)   # the pool's layout
-    pool_v = torch.randn(64, kv_heads, block, dim, generator=gen).to(pool_dtype)
+    # a layer's view of the pool: [blocks, kv_heads, block, dim] over head-major storage
+    pool_k = torch.randn(kv_heads, 64, block, dim, generator=gen).to(pool_dtype).transpose(0, 1)
+    pool_v = torch.randn(kv_heads, 64, block, dim, generator=gen).to(pool_dtype).transpose(0, 1)
     contexts = [17, 5, 33, 33, 60, 1, 24]   # tokens already in the pool, the new one included
     tables = torch.randperm(64, generator=gen)[:len(contexts) * 8].view(len(contexts), 8).tolist()
     chunks = [SeqChunk([1], n - 1, t[:-(-n // block)]) for n, t in zip(contexts, tables)]

@@ -14,20 +14,22 @@ SMOL = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, itemsize=
 SRC = KVLayout(num_blocks=100, **SMOL)
 DST = KVLayout(num_blocks=300, **SMOL)
 BB = SRC.block_bytes
+HB = SRC.head_block_bytes
 
 
 def test_layout_from_tensor_and_offsets():
-    pool = torch.zeros(30, 2, 7, 3, 16, 64, dtype=torch.bfloat16)   # [L, 2, N, H, block_size, D]
+    pool = torch.zeros(30, 2, 3, 7, 16, 64, dtype=torch.bfloat16)   # [L, 2, H, N, block_size, D]
     layout = KVLayout.from_tensor(pool)
     assert layout == KVLayout(30, 7, 16, 3, 64, 2)
     assert layout.block_bytes == 16 * 3 * 64 * 2
     assert layout.total_bytes == pool.numel() * 2
     # offset matches the tensor's own strides
-    for layer, kv, block in [(0, 0, 0), (3, 1, 5), (29, 1, 6)]:
-        expected = (pool[layer, kv, block].data_ptr() - pool.data_ptr())
-        assert layout.offset(layer, kv, block) == expected
+    for layer, kv, block, head in [(0, 0, 0, 0), (3, 1, 5, 2), (29, 1, 6, 1)]:
+        expected = (pool[layer, kv, head, block].data_ptr() - pool.data_ptr())
+        assert layout.offset(layer, kv, block, head) == expected
+    assert layout.head_block_bytes == 16 * 64 * 2
     with pytest.raises(PlanError):
-        KVLayout.from_tensor(torch.zeros(30, 3, 7, 3, 16, 64))
+        KVLayout.from_tensor(torch.zeros(30, 3, 3, 7, 16, 64))
     with pytest.raises(PlanError):
         layout.offset(0, 0, 7)
 
@@ -39,22 +41,23 @@ def test_runs_coalesce_only_when_consecutive_on_both_sides():
 
 
 def test_plan_offsets_order_and_split():
-    plan = plan_writes(SRC, DST, [4, 5, 6, 9], [20, 21, 22, 0], max_write_bytes=2 * BB)
-    # per (layer, kv): run of 3 blocks split into 2 + 1, then the single block: 3 writes
-    assert len(plan) == 30 * 2 * 3
+    plan = plan_writes(SRC, DST, [4, 5, 6, 9], [20, 21, 22, 0], max_write_bytes=2 * HB)
+    # per (layer, kv, head): run of 3 blocks split into 2 + 1, then the single block: 3 writes
+    assert len(plan) == 30 * 2 * 3 * 3
     first = plan[:3]
     assert [(w.layer, w.kv) for w in first] == [(0, KV.K)] * 3
     assert first[0].src_offset == SRC.offset(0, 0, 4) and first[0].dst_offset == DST.offset(0, 0, 20)
-    assert first[0].length == 2 * BB and first[1].length == BB
+    assert first[0].length == 2 * HB and first[1].length == HB
     assert first[1].src_offset == SRC.offset(0, 0, 6) and first[1].dst_offset == DST.offset(0, 0, 22)
     assert first[2].src_offset == SRC.offset(0, 0, 9) and first[2].dst_offset == DST.offset(0, 0, 0)
-    assert plan[3].kv == KV.V and plan[-1].layer == 29
+    assert plan[3].src_offset == SRC.offset(0, 0, 4, head=1)   # then head 1's runs
+    assert plan[9].kv == KV.V and plan[-1].layer == 29
 
 
 def test_plan_moves_exactly_the_blocks():
     rng = random.Random(1)
-    src_pool = torch.randn(30, 2, 100, 3, 16, 64)
-    dst_pool = torch.zeros(30, 2, 300, 3, 16, 64)
+    src_pool = torch.randn(30, 2, 3, 100, 16, 64)
+    dst_pool = torch.zeros(30, 2, 3, 300, 16, 64)
     src_ids = rng.sample(range(100), 40)
     dst_ids = rng.sample(range(300), 40)
     s = src_pool.view(torch.uint8).view(-1)
@@ -62,9 +65,9 @@ def test_plan_moves_exactly_the_blocks():
     for w in plan_writes(SRC, DST, src_ids, dst_ids, max_write_bytes=5000):
         assert w.length <= 5000
         d[w.dst_offset:w.dst_offset + w.length] = s[w.src_offset:w.src_offset + w.length]
-    assert torch.equal(dst_pool[:, :, dst_ids], src_pool[:, :, src_ids])
+    assert torch.equal(dst_pool[:, :, :, dst_ids], src_pool[:, :, :, src_ids])
     untouched = sorted(set(range(300)) - set(dst_ids))
-    assert not dst_pool[:, :, untouched].any()
+    assert not dst_pool[:, :, :, untouched].any()
 
 
 @pytest.mark.parametrize("max_write", [1000, BB, 3 * BB, 1 << 30])

@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.tp import kv_heads_of
 from kvtransfer.errors import PlanError
 from kvtransfer.layout import KVLayout
+from kvtransfer.plan import plan_writes
 from kvtransfer.tp import HeadRoute, head_routes, plan_route_writes, rank_heads
 
 SIZES = [(4, (1, 2, 4, 8)), (3, (1, 3, 6)), (8, (1, 2, 4, 8, 16)), (1, (1, 2))]
@@ -55,12 +56,12 @@ def test_replicated_writers_share_the_readers():
 
 
 def _pools(full: torch.Tensor, size: int, blocks: int) -> list[torch.Tensor]:
-    """Each rank's pool ``[L, 2, blocks, its heads, BS, D]``; ``full`` None: zeros."""
-    kv = full.shape[3]
+    """Each rank's pool ``[L, 2, its heads, blocks, BS, D]`` cut from ``full``."""
+    kv = full.shape[2]
     out = []
     for r in range(size):
         first, n = rank_heads(kv, r, size)
-        out.append(full[:, :, :blocks, first:first + n].clone())
+        out.append(full[:, :, first:first + n, :blocks].clone())
     return out
 
 
@@ -69,9 +70,9 @@ def _pools(full: torch.Tensor, size: int, blocks: int) -> list[torch.Tensor]:
 def test_executed_writes_put_every_head_where_the_reader_expects_it(kv, a, b):
     layers, bs, dim = 3, 4, 8
     gen = torch.Generator().manual_seed(kv * 100 + a * 10 + b)
-    full = torch.randn(layers, 2, 12, kv, bs, dim, generator=gen)
+    full = torch.randn(layers, 2, kv, 12, bs, dim, generator=gen)
     writers = _pools(full, a, 12)
-    readers = [torch.zeros_like(p[:, :, :9]) for p in _pools(full, b, 12)]
+    readers = [torch.zeros_like(p[:, :, :, :9]) for p in _pools(full, b, 12)]
     src_ids, dst_ids = [5, 6, 7, 2, 11], [0, 1, 2, 8, 4]   # a run of 3, then scattered
     counts = [0] * b
     for route in head_routes(kv, a, b):
@@ -85,17 +86,19 @@ def test_executed_writes_put_every_head_where_the_reader_expects_it(kv, a, b):
     for d in range(b):
         first, n = rank_heads(kv, d, b)
         want = torch.zeros_like(readers[d])
-        want[:, :, dst_ids] = full[:, :, src_ids, first:first + n]
+        want[:, :, :, dst_ids] = full[:, :, first:first + n, src_ids]
         assert torch.equal(readers[d], want), d
         assert counts[d] > 0
 
 
-def test_a_whole_pool_route_coalesces_block_runs_and_a_head_slice_does_not():
+def test_a_request_takes_as_many_writes_whichever_heads_each_side_holds():
     whole = KVLayout(2, 16, 16, 4, 64, 2)
     half = dataclasses.replace(whole, num_kv_heads=2)
-    ids = list(range(8))
-    assert len(plan_route_writes(whole, whole, HeadRoute(0, 0, 0, 0, 4), ids, ids, 1 << 20)) == 2 * 2
-    assert len(plan_route_writes(whole, half, HeadRoute(0, 0, 2, 0, 2), ids, ids, 1 << 20)) == 2 * 2 * 8
+    ids = list(range(8))   # one run
+    assert len(plan_route_writes(whole, whole, HeadRoute(0, 0, 0, 0, 4), ids, ids, 1 << 20)) == 2 * 2 * 4
+    assert len(plan_route_writes(whole, half, HeadRoute(0, 0, 2, 0, 2), ids, ids, 1 << 20)) == 2 * 2 * 2
+    assert (plan_route_writes(whole, whole, HeadRoute(0, 0, 0, 0, 4), ids, ids, 1 << 20)
+            == plan_writes(whole, whole, ids, ids, 1 << 20))
     with pytest.raises(PlanError, match=r"source heads \[3, 5\) outside the pool's 4 KV heads"):
         plan_route_writes(whole, half, HeadRoute(0, 0, 3, 0, 2), ids, ids, 1 << 20)
     with pytest.raises(PlanError, match="incompatible layouts"):

@@ -27,8 +27,9 @@ def make(seed, heads, kv_heads, dim, block, lens, pool_dtype):
     """Random q and pools, and block tables scattered over the pool (``[B, width]`` int64)."""
     g = torch.Generator().manual_seed(seed)
     blocks = sum(-(-n // block) for n in lens) + 3
-    k_pool = torch.randn(blocks, kv_heads, block, dim, generator=g).to(pool_dtype)   # the pool's layout
-    v_pool = torch.randn(blocks, kv_heads, block, dim, generator=g).to(pool_dtype)
+    # a layer's view of the pool: [blocks, kv_heads, block, dim] over head-major storage
+    k_pool = torch.randn(kv_heads, blocks, block, dim, generator=g).to(pool_dtype).transpose(0, 1)
+    v_pool = torch.randn(kv_heads, blocks, block, dim, generator=g).to(pool_dtype).transpose(0, 1)
     q = torch.randn(len(lens), heads, dim, generator=g)
     order = torch.randperm(blocks, generator=g)
     tables = torch.zeros(len(lens), max(-(-n // block) for n in lens) + 1, dtype=torch.int64)
