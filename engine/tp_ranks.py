@@ -27,6 +27,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -67,7 +68,8 @@ class TensorParallelModel:
         ranks: the follower processes, ranks 1 .. N-1.
     Its KV pool must come from `create_pool` (each rank builds its own of the same blocks); a pass
     over another pool raises ValueError. After a rank is lost every call raises
-    `TensorParallelError`.
+    `TensorParallelError`. Calls from several threads are serialized (a pass and ``close``): the
+    ranks must meet in the same order.
     """
 
     def __init__(self, local, group: TPGroup, ranks: list[subprocess.Popen], store):
@@ -81,6 +83,7 @@ class TensorParallelModel:
         self.local_config = local_config(self.config, group.size)
         self._pool: KVPool | None = None
         self._lost: str | None = None
+        self._lock = threading.RLock()
 
     @property
     def tp_size(self) -> int:
@@ -94,24 +97,28 @@ class TensorParallelModel:
         """Rank 0's KV pool of ``cache`` (its KV heads; over ``buffer`` if given, as
         `engine.kv_cache.KVPool`), every other rank building its own alike. Raises
         TensorParallelError when a rank is gone."""
-        self._command("pool", cache)
-        self._pool = ShardedKVPool(self, self.local_config, cache, buffer=buffer, device=self.device)
-        return self._pool
+        with self._lock:
+            self._command("pool", cache)
+            self._pool = ShardedKVPool(self, self.local_config, cache, buffer=buffer, device=self.device)
+            return self._pool
 
     def forward(self, batch, pool: KVPool, on_layer_done=None) -> torch.Tensor:
         """The pass on every rank; returns the whole vocabulary's logits (rank 0 gathers them).
 
         Raises:
             ValueError: ``pool`` is not the one `create_pool` made.
-            TensorParallelError: a rank is gone (before or during the pass).
+            TensorParallelError: a rank is gone (before or during the pass), or this rank's part
+                of the pass failed: the other ranks may then wait in a collective it never
+                reaches, so the group is given up rather than left out of step.
         """
         if pool is not self._pool:
             raise ValueError("a tensor-parallel model runs over the KV pool its create_pool made")
-        self._command("forward", batch)
-        try:
-            return self._local.forward(batch, pool, on_layer_done)
-        except RuntimeError as e:   # a collective failed: a rank is gone
-            raise self._fail(f"a pass failed: {e}") from e
+        with self._lock:
+            self._command("forward", batch)
+            try:
+                return self._local.forward(batch, pool, on_layer_done)
+            except Exception as e:   # a collective failed (a rank is gone), or this rank's part did
+                raise self._fail(f"a pass failed: {type(e).__name__}: {e}") from e
 
     def warm_up(self, pool: KVPool) -> float:
         """Nothing to build (tensor-parallel layers run eagerly): 0.0."""
@@ -119,17 +126,19 @@ class TensorParallelModel:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Every rank copies its K/V of blocks ``src`` into ``dst`` (`ShardedKVPool.copy_blocks`)."""
-        self._command("copy_blocks", (list(src), list(dst)))
+        with self._lock:
+            self._command("copy_blocks", (list(src), list(dst)))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the followers (a stop command; those still running after ``timeout_s`` seconds are
         killed) and leave the group. Idempotent."""
-        if self._lost is None:
-            try:
-                self._command("stop", None)
-            except TensorParallelError:
-                pass
-            self._lost = "closed"
+        with self._lock:
+            if self._lost is None:
+                try:
+                    self._command("stop", None)
+                except TensorParallelError:
+                    pass
+                self._lost = "closed"
         _reap(self.ranks, timeout_s)
         self.group.group = None
 

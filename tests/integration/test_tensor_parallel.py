@@ -177,3 +177,23 @@ def test_ranks_exit_when_rank_0_dies(checkpoints):
         assert not Path(f"/proc/{follower}").exists() or "Z" in Path(f"/proc/{follower}/stat").read_text().split()[2]
     finally:
         rank0.kill()
+
+
+def test_a_pass_failing_on_rank_0_alone_gives_the_group_up_instead_of_hanging(checkpoints):
+    """Rank 0's per-layer hook raises mid-pass (the prefill worker posts its writes from it): the
+    other ranks wait in the next all-reduce, so the group is given up (ranks killed, a typed error)
+    rather than left out of step."""
+    loaded = load_model(checkpoints["qwen2"], weights="fp32", tensor_parallel_size=2, threads=1)
+    pool = make_pool(loaded, CacheConfig(block_size=BLOCK, num_blocks=8))
+    batch = ForwardBatch.build([SeqChunk(list(range(100, 120)), 0, pool.allocator.allocate(2))], BLOCK)
+
+    def hook(layer: int) -> None:
+        if layer == 1:
+            raise OSError("the NIC is gone")
+
+    with pytest.raises(TensorParallelError, match="OSError: the NIC is gone"):
+        loaded.model.forward(batch, pool, hook)
+    assert all(p.poll() is not None for p in loaded.model.ranks)
+    with pytest.raises(TensorParallelError):
+        loaded.model.forward(batch, pool)
+    loaded.model.close()
