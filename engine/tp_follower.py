@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from engine.errors import TensorParallelError
 from engine.kv_cache import KVPool
-from engine.loader import build_model
+from engine.loader import build_model, set_torch_threads
 from engine.tp import TPGroup, local_config
 from engine.tp_ranks import HOST, START_TIMEOUT_S, broadcast_object, make_group
 
@@ -52,7 +52,7 @@ def follow(spec: dict) -> None:
     rank, size = spec["rank"], spec["size"]
     _set_name(f"pdserve-tp-r{rank}")
     threading.Thread(target=_watch_parent, args=(spec["parent"],), name="tp-parent-watch", daemon=True).start()
-    torch.set_num_threads(max(1, spec["threads"]))
+    set_torch_threads(spec["threads"])
     store = dist.TCPStore(HOST, spec["port"], size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     try:
         model = build_model(spec["path"], spec["weights"], spec["device"], spec["gemv_copies"], TPGroup(rank, size))

@@ -52,6 +52,15 @@ def _validate(src: KVLayout, dst: KVLayout, src_ids: Sequence[int], dst_ids: Seq
               max_write_bytes: int, layers: Sequence[int]) -> None:
     if not src.compatible_with(dst):
         raise PlanError(f"incompatible layouts: {src} vs {dst}")
+    check_transfer(src, dst, src_ids, dst_ids, max_write_bytes, layers)
+
+
+def check_transfer(src: KVLayout, dst: KVLayout, src_ids: Sequence[int], dst_ids: Sequence[int],
+                   max_write_bytes: int, layers: Sequence[int]) -> None:
+    """Raise ``PlanError`` unless the block id lists pair up (equal lengths, inside each pool,
+    no destination twice), ``max_write_bytes`` > 0 and ``layers`` are the pools' (the layouts
+    themselves are the caller's to check: `plan_writes` wants them equal but for ``num_blocks``,
+    `kvtransfer.tp` lets ``num_kv_heads`` differ too)."""
     if len(src_ids) != len(dst_ids):
         raise PlanError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
     if max_write_bytes <= 0:

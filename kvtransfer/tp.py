@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvtransfer.errors import PlanError
 from kvtransfer.layout import KVLayout
-from kvtransfer.plan import PlannedWrite, block_runs, plan_head_writes
+from kvtransfer.plan import PlannedWrite, block_runs, check_transfer, plan_head_writes
 
 
 def rank_heads(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
@@ -106,23 +106,6 @@ def plan_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRou
             raise PlanError(f"{side} heads [{head}, {head + route.num_heads}) outside the pool's "
                             f"{layout.num_kv_heads} KV heads")
     layer_list = list(range(src_layout.num_layers) if layers is None else layers)
-    _check(src_layout, src_block_ids, dst_layout, dst_block_ids, max_write_bytes, layer_list)
+    check_transfer(src_layout, dst_layout, src_block_ids, dst_block_ids, max_write_bytes, layer_list)
     return plan_head_writes(src_layout, dst_layout, route.src_head, route.dst_head, route.num_heads,
                             block_runs(src_block_ids, dst_block_ids), max_write_bytes, layer_list)
-
-
-def _check(src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int],
-           max_write_bytes: int, layers: list[int]) -> None:
-    if max_write_bytes <= 0:
-        raise PlanError(f"max_write_bytes must be positive, got {max_write_bytes}")
-    bad_layers = [l for l in layers if not 0 <= l < src.num_layers]
-    if bad_layers:
-        raise PlanError(f"layers {bad_layers[:4]} outside [0, {src.num_layers})")
-    if len(src_ids) != len(dst_ids):
-        raise PlanError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    for name, ids, layout in (("source", src_ids, src), ("destination", dst_ids, dst)):
-        bad = [b for b in ids if not 0 <= b < layout.num_blocks]
-        if bad:
-            raise PlanError(f"{name} block ids {bad[:4]} outside [0, {layout.num_blocks})")
-    if len(set(dst_ids)) != len(dst_ids):
-        raise PlanError("destination block ids repeat")
