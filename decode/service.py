@@ -15,7 +15,7 @@ import logging
 from decode.worker import DecodeWorker
 from engine.generator import StepOutput
 from engine.sequence import FinishReason
-from kvtransfer import EndpointInfo
+from kvtransfer.group import GroupEndpoint
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from worker.async_sink import AsyncSink
@@ -38,14 +38,14 @@ class DecodeService(pb_grpc.DecodeServicer):
     def __init__(self, res: WorkerResources, worker: DecodeWorker):
         self.res = res
         self.worker = worker
-        self._peers: dict[str, str] = {}  # prefill worker id -> its endpoint id
+        self._peers: dict[str, tuple[str, ...]] = {}  # prefill worker id -> its ranks' endpoint ids
 
     def add_to_server(self, server) -> None:
         pb_grpc.add_DecodeServicer_to_server(self, server)
 
     # -- brokering ------------------------------------------------------------------------------
     def _endpoint(self) -> pb.Endpoint:
-        return pb.Endpoint(engine=self.res.transfer.name, description=self.res.transfer.describe().to_bytes())
+        return pb.Endpoint(engine=self.res.transfer.name, description=self.res.endpoint().to_bytes())
 
     @unary
     async def Describe(self, request, context):
@@ -55,8 +55,8 @@ class DecodeService(pb_grpc.DecodeServicer):
     async def Connect(self, request, context):
         # Writers connect to us (tcp/shm); we only remember who they are.
         if request.peer_endpoint.description:
-            info = EndpointInfo.from_bytes(request.peer_endpoint.description)   # KVTransferError
-            self._peers[request.peer_worker_id] = info.endpoint_id
+            info = GroupEndpoint.from_bytes(request.peer_endpoint.description)   # KVTransferError
+            self._peers[request.peer_worker_id] = tuple(r.endpoint_id for r in info.ranks)
         return pb.ConnectResponse(endpoint=self._endpoint())
 
     @unary

@@ -59,7 +59,7 @@ from engine.sampling import SamplingParams
 from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason
 from kvtransfer import KVTransferError, PeerLostError, SlotState, TransferError, TransferTimeout
-from worker.errors import DrainingError, TensorParallelTransferError, UnknownRequestError
+from worker.errors import DrainingError, UnknownRequestError
 from worker.gate import StepGate
 from worker.liveness import LoopWatch
 from worker.runtime import WorkerResources
@@ -135,13 +135,8 @@ class DecodeWorker:
 
         Raises:
             InvalidRequestError (bad id, counts or prompt, duplicate id), DrainingError,
-            CapacityError (pool or slots full; nothing is held), TensorParallelTransferError
-            (a tensor-parallel worker: it serves colocated requests only).
+            CapacityError (pool or slots full; nothing is held).
         """
-        if self.res.config.tensor_parallel_size > 1:
-            raise TensorParallelTransferError(
-                f"decode worker {self.res.config.worker_id} runs at tensor parallel size "
-                f"{self.res.config.tensor_parallel_size} and takes no KV transfer yet: colocated requests only")
         check_request_id(request_id)
         if not 1 <= num_prompt_tokens < self._model.max_position:
             raise InvalidRequestError(f"num_prompt_tokens must be in [1, {self._model.max_position}), "

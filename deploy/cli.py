@@ -68,7 +68,7 @@ def launcher_config(args: argparse.Namespace):
         threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
         grace_s=args.grace, serving_mode=args.serving_mode,
         colocated_threshold_tokens=args.colocated_threshold_tokens,
-        cpu_affinity=args.cpu_affinity, decode_tp=(args.decode_tp,),
+        cpu_affinity=args.cpu_affinity, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,),
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--prefill", type=int, default=1,
                    help="prefill workers (0 allowed with --serving-mode colocated|auto)")
     u.add_argument("--decode", type=int, default=1, help="decode workers")
-    u.add_argument("--decode-tp", type=int, default=1,
-                   help="tensor parallel size of each decode worker (above 1: --serving-mode colocated or auto)")
+    u.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of each decode worker")
+    u.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of each prefill worker")
     u.add_argument("--http-host", default="127.0.0.1")
     u.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0: any free port)")
     u.add_argument("--registry-port", type=int, default=50050, help="router's worker registry port")

@@ -72,9 +72,9 @@ class LauncherConfig:
         cpu_affinity: CPUs to pin workers to, one each, in start order (prefill-0, prefill-1,
             ..., decode-0, ...), cycling when there are more workers than CPUs; empty: no
             pinning. The router is never pinned. A tensor-parallel worker's ranks share its CPU.
-        decode_tp: the tensor parallel size of each decode worker in order (``--tensor-parallel-size``,
-            `engine.tp`), the last repeating for the rest. Above 1: colocated requests only (KV
-            between TP groups is not built yet), so not with serving mode "disaggregated".
+        prefill_tp / decode_tp: the tensor parallel size of each prefill / decode worker in order
+            (``--tensor-parallel-size``, `engine.tp`), the last repeating for the rest; any sizes
+            the model's KV heads split over pair (`worker.tp_rank`).
     """
 
     num_prefill: int = 1
@@ -96,14 +96,14 @@ class LauncherConfig:
     colocated_threshold_tokens: int = 0
     cpu_affinity: tuple[int, ...] = ()
     decode_tp: tuple[int, ...] = (1,)
+    prefill_tp: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         check_mode(self.serving_mode, self.colocated_threshold_tokens)
-        if not self.decode_tp or min(self.decode_tp) < 1:
-            raise ValueError(f"decode_tp must list sizes >= 1, got {self.decode_tp}")
-        if max(self.decode_tp) > 1 and self.serving_mode == "disaggregated":
-            raise ValueError("tensor-parallel decode workers serve colocated requests only (KV between TP groups "
-                             "is not built yet): use serving mode colocated or auto")
+        for name in ("prefill_tp", "decode_tp"):
+            sizes = getattr(self, name)
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"{name} must list sizes >= 1, got {sizes}")
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("at least one decode worker is needed")
         if self.num_prefill < 1 and self.serving_mode == "disaggregated":
@@ -241,11 +241,10 @@ class Cluster:
             argv += ["--num-blocks", str(c.num_blocks)]
         if c.model:
             argv += ["--model", c.model]
-        if role == "decode":
-            index = int(name.split("-")[1])
-            tp = c.decode_tp[min(index, len(c.decode_tp) - 1)]
-            if tp > 1:
-                argv += ["--tensor-parallel-size", str(tp)]
+        sizes = c.decode_tp if role == "decode" else c.prefill_tp
+        tp = sizes[min(int(name.split("-")[1]), len(sizes) - 1)]
+        if tp > 1:
+            argv += ["--tensor-parallel-size", str(tp)]
         return argv + list(c.worker_args)
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def resolve_weights(weights: str, model: str | Path | None = None, device: str =
 
 def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu",
                gemv_copies: bool = True, compiled: bool = False, tensor_parallel_size: int = 1,
-               threads: int | None = None) -> LoadedModel:
+               threads: int | None = None, tp_extension: str | None = None) -> LoadedModel:
     """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
 
     Args:
@@ -157,7 +157,8 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
         tensor_parallel_size: N > 1 shards the model over N processes (`engine.tp`): this one
             is rank 0 and ``LoadedModel.model`` an `engine.tp_ranks.TensorParallelModel`, whose
             KV pool comes from its ``create_pool`` (`make_pool`); ranks 1 .. N-1 are started as
-            subprocesses with ``threads`` torch threads each (None: this process's count).
+            subprocesses with ``threads`` torch threads each (None: this process's count),
+            running the rank extension ``tp_extension`` (``"module:factory"``, `engine.tp_ranks`).
     Raises:
         ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
             with no 4-bit projections.
@@ -197,7 +198,7 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
         from engine import tp_ranks
 
         built = tp_ranks.start(path, weights, tensor_parallel_size, device, threads or torch.get_num_threads(),
-                               gemv_copies, build_model)
+                               gemv_copies, build_model, tp_extension)
     else:
         built = build_model(path, weights, device, gemv_copies, None, compiled)
     return LoadedModel(path, built.config, built, Tokenizer.from_file(path), weights)

@@ -10,7 +10,18 @@ their pool when told, and run what they receive until told to stop.
 Wire: a ``torch.distributed`` TCPStore on 127.0.0.1 (rank 0 the master, an ephemeral port) for the
 rendezvous and the ranks' load results, and one process group (gloo on the CPU) bound to
 127.0.0.1 for the collectives and the commands (a command is pickled and broadcast from rank 0:
-its length, then its bytes).
+its length, then its bytes). Each follower also holds the write end of a pipe to rank 0 (its
+*events*: pickled messages, read by rank 0's ``tp-events-r<r>`` thread): replies to `call` and
+whatever its rank extension reports (`TensorParallelModel.on_event`).
+
+Rank extension: a worker gives ``start`` the import path of a factory (``"module:name"``) that
+each follower calls as ``factory(rank, size, send)`` (``send(msg)`` puts a message on its
+events); the object it returns takes part in the follower's life (`engine.tp_follower`): its
+pool's buffer and the pool (``pool_buffer(nbytes)``, ``pool_ready(pool)``), the commands rank 0
+sends with `TensorParallelModel.call` (``call(name, arg) -> result``), a pass's layer hook when
+rank 0's layer callback is a `LayerWork` (``layer_hook(work)`` then ``after_pass(work)``), and
+``close()`` at stop. The engine knows nothing of what it does (the workers' data plane:
+`worker.tp_rank`).
 
 Failure: a follower exits on any error and when rank 0's process is gone (a watchdog thread,
 ``tp-parent-watch``); the connections it held close, so rank 0's next collective or command
@@ -21,6 +32,7 @@ and refuses every later pass: a group with a rank gone is gone as a whole.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -29,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -72,7 +85,8 @@ class TensorParallelModel:
     ranks must meet in the same order.
     """
 
-    def __init__(self, local, group: TPGroup, ranks: list[subprocess.Popen], store):
+    def __init__(self, local, group: TPGroup, ranks: list[subprocess.Popen], store,
+                 events: list[Connection] | None = None):
         self._local = local
         self.group = group
         self.ranks = ranks
@@ -84,6 +98,25 @@ class TensorParallelModel:
         self._pool: KVPool | None = None
         self._lost: str | None = None
         self._lock = threading.RLock()
+        self.on_event = None
+        """``on_event(rank, msg)``: a follower's extension reported ``msg`` (called on that
+        rank's events thread; must not block for long)."""
+        self.on_lost = None
+        """``on_lost(reason)``: the group was lost (a rank exited, a pass failed); called once."""
+        self._replies: dict[int, dict[int, object]] = {}
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._gone: set[int] = set()
+        self._closing = False
+        self._readers = [threading.Thread(target=self._read_events, args=(r, conn), name=f"tp-events-r{r}",
+                                          daemon=True) for r, conn in enumerate(events or [], 1)]
+        for t in self._readers:
+            t.start()
+
+    @property
+    def lost(self) -> str | None:
+        """Why the group is unusable (``"closed"`` after `close`), or None."""
+        return self._lost
 
     @property
     def tp_size(self) -> int:
@@ -114,7 +147,7 @@ class TensorParallelModel:
         if pool is not self._pool:
             raise ValueError("a tensor-parallel model runs over the KV pool its create_pool made")
         with self._lock:
-            self._command("forward", batch)
+            self._command("forward", (batch, getattr(on_layer_done, "rank_work", None)))
             try:
                 return self._local.forward(batch, pool, on_layer_done)
             except Exception as e:   # a collective failed (a rank is gone), or this rank's part did
@@ -129,10 +162,40 @@ class TensorParallelModel:
         with self._lock:
             self._command("copy_blocks", (list(src), list(dst)))
 
+    def call(self, name: str, arg=None, timeout_s: float = 60.0) -> list:
+        """Run ``name`` on every follower's rank extension (``ext.call(name, arg)``); returns their
+        results, ranks 1 .. N-1 in order.
+
+        Raises:
+            the first follower's exception (by rank) when its extension raised one: the group
+                stays usable;
+            TensorParallelError: a rank is gone, or did not answer within ``timeout_s`` seconds
+                (the group is then given up).
+        """
+        with self._lock:
+            seq = next(self._seq)
+            with self._cond:
+                self._replies[seq] = {}
+            self._command("call", (seq, name, arg))
+            deadline = time.monotonic() + timeout_s
+            with self._cond:
+                while len(self._replies[seq]) < len(self.ranks):
+                    if self._gone or time.monotonic() > deadline:
+                        self._replies.pop(seq)
+                        why = "a rank exited" if self._gone else f"no answer within {timeout_s} s"
+                        raise self._fail(f"call {name!r}: {why}")
+                    self._cond.wait(0.05)
+                got = self._replies.pop(seq)
+        for r in sorted(got):
+            if isinstance(got[r], BaseException):
+                raise got[r]
+        return [got[r] for r in sorted(got)]
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the followers (a stop command; those still running after ``timeout_s`` seconds are
-        killed) and leave the group. Idempotent."""
+        killed), join the events threads and leave the group. Idempotent."""
         with self._lock:
+            self._closing = True   # the ranks' exits that follow are no loss
             if self._lost is None:
                 try:
                     self._command("stop", None)
@@ -140,7 +203,41 @@ class TensorParallelModel:
                     pass
                 self._lost = "closed"
         _reap(self.ranks, timeout_s)
+        for t in self._readers:
+            t.join(timeout=5)
         self.group.group = None
+
+    def _read_events(self, rank: int, conn: Connection) -> None:
+        """Rank ``rank``'s events until its pipe closes (it exited): replies to `call`, the rest
+        to `on_event`. A rank gone while the group is in use loses the group."""
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:   # noqa: BLE001 - an unpicklable message: the follower is broken
+                log.exception("tensor-parallel rank %d sent an unreadable event", rank)
+                break
+            if msg[0] == "reply":
+                with self._cond:
+                    if msg[1] in self._replies:
+                        self._replies[msg[1]][rank] = msg[2]
+                    self._cond.notify_all()
+                continue
+            handler = self.on_event
+            if handler is None:
+                log.warning("tensor-parallel rank %d: event %r with no handler", rank, msg[0])
+                continue
+            try:
+                handler(rank, msg)
+            except Exception:   # noqa: BLE001 - the handler's bug must not end the events
+                log.exception("handling tensor-parallel rank %d's event %r", rank, msg[0])
+        conn.close()
+        with self._cond:
+            self._gone.add(rank)
+            self._cond.notify_all()
+        if self._lost is None and not self._closing:
+            self._fail(f"rank {rank} is gone")
 
     def _command(self, name: str, arg) -> None:
         if self._lost is not None:
@@ -151,10 +248,14 @@ class TensorParallelModel:
             raise self._fail(f"sending {name!r} to the ranks failed: {e}") from e
 
     def _fail(self, why: str) -> TensorParallelError:
-        dead = [f"rank {r} exit code {p.poll()}" for r, p in enumerate(self.ranks, 1) if p.poll() is not None]
-        self._lost = f"{why} ({', '.join(dead) or 'no rank exited yet'})"
-        log.error("tensor-parallel group lost: %s", self._lost)
-        _reap(self.ranks, 0.0)
+        if self._lost is None:
+            time.sleep(0.05)   # let an exiting rank's code be seen
+            dead = [f"rank {r} exit code {p.poll()}" for r, p in enumerate(self.ranks, 1) if p.poll() is not None]
+            self._lost = f"{why} ({', '.join(dead) or 'no rank exited yet'})"
+            log.error("tensor-parallel group lost: %s", self._lost)
+            _reap(self.ranks, 0.0)
+            if self.on_lost is not None:
+                self.on_lost(self._lost)
         return TensorParallelError(self._lost)
 
 
@@ -169,6 +270,20 @@ class ShardedKVPool(KVPool):
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self._owner.copy_blocks(src, dst)
         super().copy_blocks(src, dst)
+
+
+class LayerWork:
+    """A layer callback for `TensorParallelModel.forward` that also carries ``work`` for the other
+    ranks: each follower's rank extension gets it (``layer_hook(work)``) and runs its own hook at
+    each of its layers. ``callback(layer)`` (or None) is rank 0's own."""
+
+    def __init__(self, callback, work):
+        self.callback = callback
+        self.rank_work = work
+
+    def __call__(self, layer: int) -> None:
+        if self.callback is not None:
+            self.callback(layer)
 
 
 def broadcast_object(group: TPGroup, obj=None):
@@ -188,7 +303,8 @@ def broadcast_object(group: TPGroup, obj=None):
     return obj if group.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
-def start(path, weights: str, size: int, device: str, threads: int, gemv_copies: bool, build):
+def start(path, weights: str, size: int, device: str, threads: int, gemv_copies: bool, build,
+          extension: str | None = None):
     """Start ranks 1 .. ``size - 1`` and build rank 0's shard: the `TensorParallelModel`.
 
     Args:
@@ -197,6 +313,7 @@ def start(path, weights: str, size: int, device: str, threads: int, gemv_copies:
         build: ``build(path, weights, device, gemv_copies, tp) -> CausalLM`` (`engine.loader`),
             called on every rank with its `TPGroup` (whose process group is not connected yet
             while loading: shards are loaded first, then the group forms).
+        extension: ``"module:factory"`` of the followers' rank extension (module doc), or None.
     Raises:
         ModelLoadError: a rank could not load its shard (its message), or the model cannot be
             split ``size`` ways.
@@ -205,20 +322,28 @@ def start(path, weights: str, size: int, device: str, threads: int, gemv_copies:
     store = dist.TCPStore(HOST, 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
                           wait_for_workers=False)
     spec = {"path": str(path), "weights": weights, "size": size, "device": device, "threads": threads,
-            "gemv_copies": gemv_copies, "port": store.port, "parent": os.getpid()}
-    ranks = []
+            "gemv_copies": gemv_copies, "port": store.port, "parent": os.getpid(), "extension": extension}
+    ranks, events = [], []
     try:
         for r in range(1, size):
-            ranks.append(subprocess.Popen([sys.executable, "-m", "engine.tp_follower", json.dumps({**spec, "rank": r})]))
+            read, write = os.pipe()
+            events.append(Connection(read, writable=False))
+            try:
+                ranks.append(subprocess.Popen([sys.executable, "-m", "engine.tp_follower",
+                                               json.dumps({**spec, "rank": r, "events_fd": write})], pass_fds=(write,)))
+            finally:
+                os.close(write)
         local = build(path, weights, device, gemv_copies, TPGroup(0, size))
         _wait_loaded(store, ranks)
         group = make_group(store, 0, size)
         local.tp.group = group.group
     except BaseException:
         _reap(ranks, 0.0)
+        for conn in events:
+            conn.close()
         raise
     log.info("tensor parallel: %d ranks (followers pid %s)", size, [p.pid for p in ranks])
-    return TensorParallelModel(local, local.tp, ranks, store)
+    return TensorParallelModel(local, local.tp, ranks, store, events)
 
 
 def _wait_loaded(store, ranks: list[subprocess.Popen]) -> None:

@@ -17,6 +17,9 @@ import torch
 
 from kvtransfer.errors import PlanError
 
+POOL_LAYOUT = "L,2,H,N,B,D"
+"""The pool's dimension order as handshakes name it (the compatibility hash's, `engine.config`)."""
+
 
 class KV(IntEnum):
     """Index of the K and V halves in the pool's second dimension."""

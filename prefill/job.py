@@ -27,8 +27,9 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import blocks_needed
 from engine.sampling import SamplingError, SamplingParams, TokenLogprobs
 from engine.sequence import token_finish_reason
-from kvtransfer import KVLayout, PeerId, WriteHandle
+from kvtransfer import WriteHandle
 from worker.errors import PrefillAborted, PrefillError
+from worker.tp_rank import DecodePeer
 
 
 class JobState(enum.IntEnum):
@@ -77,15 +78,6 @@ def check_destination(num_prompt_tokens: int, dst_blocks: list[int], num_held_bl
 
 
 @dataclass(frozen=True)
-class DecodePeer:
-    """A connected decode worker: engine peer id, its pool layout and region key."""
-
-    peer: PeerId
-    layout: KVLayout
-    remote_key: int
-
-
-@dataclass(frozen=True)
 class PrefillResult:
     """A finished job: per choice (``params.n`` of them) the first token, why it ends the choice
     (``""``: it does not; "stop", "length": `engine.sequence.token_finish_reason`) and its
@@ -117,6 +109,8 @@ class PrefillJob:
     generation: int
     deadline: float
     num_held_blocks: int = 0          # leading prompt blocks the decode worker holds: not written
+    peer_id: str = ""                 # the decode worker's id
+    tp_key: int | None = None         # tensor parallel: its number in the other ranks' reports
     warm: bool = False                # a prefix-cache warm-up: no first token, no writes
     state: JobState = JobState.QUEUED
     queued_at: float = field(default_factory=time.monotonic)   # monotonic seconds (scheduling order)

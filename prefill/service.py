@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvtransfer import EndpointInfo
+from kvtransfer.group import GroupEndpoint
 from prefill.job import wait_finished
 from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2 as pb
@@ -38,7 +38,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         pb_grpc.add_PrefillServicer_to_server(self, server)
 
     def _endpoint(self) -> pb.Endpoint:
-        return pb.Endpoint(engine=self.res.transfer.name, description=self.res.transfer.describe().to_bytes())
+        return pb.Endpoint(engine=self.res.transfer.name, description=self.res.endpoint().to_bytes())
 
     @unary
     async def Describe(self, request, context):
@@ -46,7 +46,7 @@ class PrefillService(pb_grpc.PrefillServicer):
 
     @unary
     async def Connect(self, request, context):
-        info = EndpointInfo.from_bytes(request.peer_endpoint.description)
+        info = GroupEndpoint.from_bytes(request.peer_endpoint.description)
         await asyncio.get_running_loop().run_in_executor(None, self.worker.connect, request.peer_worker_id, info)
         return pb.ConnectResponse(endpoint=self._endpoint())
 

@@ -51,7 +51,8 @@ from engine.models.base import check_pool
 from engine.runner import ModelRunner
 from engine.sampling import Row, SamplingParams, child_params
 from engine.scheduling import PassBudget, RateMeter, by_response_ratio, default_batch_tokens, fill_pass
-from kvtransfer import EndpointInfo
+from engine.tp_ranks import LayerWork
+from kvtransfer.group import GroupEndpoint
 from kvtransfer.immediate import GENERATION_MODULUS, MAX_SLOTS
 from prefill.job import JobState, PrefillJob, PrefillLoad, check_destination
 from prefill.sender import KVSender
@@ -93,7 +94,7 @@ class PrefillWorker:
         self._thread.start()
 
     # -- peers ------------------------------------------------------------------------------------
-    def connect(self, decode_worker_id: str, info: EndpointInfo) -> None:
+    def connect(self, decode_worker_id: str, info: GroupEndpoint) -> None:
         """`KVSender.connect`."""
         self.sender.connect(decode_worker_id, info)
 
@@ -133,7 +134,7 @@ class PrefillWorker:
         if write_deadline_s > 0:
             lease = min(lease, write_deadline_s)
         job = PrefillJob(request_id, list(token_ids), params, peer, list(dst_blocks), slot, generation,
-                         time.monotonic() + lease, num_held_blocks=num_held_blocks)
+                         time.monotonic() + lease, num_held_blocks=num_held_blocks, peer_id=decode_worker_id)
         job.matcher = matcher_for(self.grammars, params, token_ids)
         with self._lock:
             if self._draining:
@@ -314,6 +315,9 @@ class PrefillWorker:
         t0 = time.monotonic()
         finishing = [job for job, chunk in batch if chunk.need_logits]
         on_layer = (lambda layer: self.sender.post_layer(layer, finishing)) if finishing else None
+        work = self.sender.rank_work(finishing) if finishing else None
+        if work:   # tensor parallel: the other ranks post their heads' writes at the same layers
+            on_layer = LayerWork(on_layer, work)
         if all(job.warm for job, _ in batch):   # a warm-up pass (never batched with prefills)
             on_layer = self._yield_to_prefills
         logits = self.runner.execute(batch, on_layer_done=on_layer)

@@ -103,7 +103,7 @@ class Member:
     last_seen: float = 0.0
     peers: frozenset[str] = frozenset()
     prefix_caching: bool = False   # keeps a prefix cache and publishes its KV events
-    tensor_parallel_size: int = 1  # TP ranks; above 1: colocated requests only, never linked
+    tensor_parallel_size: int = 1  # TP ranks (processes) of the worker
 
     @property
     def routable(self) -> bool:
@@ -236,11 +236,11 @@ class Membership:
         return True
 
     def unlinked_pairs(self) -> list[tuple[Member, Member]]:
-        """(prefill, decode) pairs of live, non-draining members not yet brokered; a member at a
-        tensor parallel size above 1 takes no KV transfer yet and pairs with none."""
+        """(prefill, decode) pairs of live, non-draining members not yet brokered, whatever their
+        tensor parallel sizes (their ranks connect rank to rank: `worker.tp_rank`)."""
         with self._lock:
             live = [m for m in self._members.values()
-                    if m.state in (WorkerState.JOINING, WorkerState.CONNECTED) and m.tensor_parallel_size == 1]
+                    if m.state in (WorkerState.JOINING, WorkerState.CONNECTED)]
         return [(p, d) for p in live if p.role == "prefill" for d in live
                 if d.role == "decode" and d.worker_id not in p.peers]
 

@@ -63,9 +63,8 @@ class WorkerConfig:
             prefix-cache warm-up (`prefill.worker`; a prefill arriving stops the pass).
         threads: torch threads of this process (and of each tensor-parallel rank).
         tensor_parallel_size: N > 1 shards the model over N processes (`engine.tp`): this one
-            and N - 1 rank processes it starts. Decode workers only, serving colocated requests
-            (`Decode.ServeColocated`): KV between TP groups is not built yet, so the router links
-            no prefill worker to such a worker and its `Reserve` is refused.
+            and N - 1 rank processes it starts, each its own data-plane endpoint (`worker.tp_rank`;
+            with a fixed ``transfer_port``, rank r listens on ``transfer_port + r``).
         enforce_eager: run the model's layers eagerly (vLLM's name); False: as compiled graphs
             (`engine.compiled`: ``torch.compile``, built at start-up, their build time logged,
             inductor's caches on disk so a restart reuses them).
@@ -152,9 +151,6 @@ class WorkerConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
         if self.device.startswith("cuda") and self.transfer_engine not in ("verbs", "auto"):
             raise ValueError("a CUDA KV pool needs the verbs engine (GPUDirect); tcp and shm move host memory")
-        if self.tensor_parallel_size > 1 and self.role == "prefill":
-            raise ValueError("a prefill worker runs at --tensor-parallel-size 1: KV written between tensor-parallel "
-                             "groups is not built yet (decode workers serve colocated at TP > 1)")
         if self.tensor_parallel_size > 1 and not self.enforce_eager:
             raise ValueError("compiled layers do not run tensor-parallel yet; use --enforce-eager")
         if self.quarantine_s <= self.prefill_timeout_s:

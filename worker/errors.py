@@ -41,7 +41,3 @@ class WarmupDropped(PrefillError):
 class CacheDisabledError(WorkerError):
     """The call needs the prefix cache, which this worker runs without (FAILED_PRECONDITION)."""
 
-
-class TensorParallelTransferError(WorkerError):
-    """KV cannot be written into or out of this worker: it runs tensor-parallel, and KV between TP
-    groups is not built yet; it serves colocated requests only (FAILED_PRECONDITION)."""

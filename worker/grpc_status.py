@@ -17,7 +17,7 @@ import grpc
 
 from engine.errors import CapacityError, InvalidRequestError
 from kvtransfer import AuthError, KVTransferError, PeerLostError, PlanError, TransferTimeout
-from worker.errors import (CacheDisabledError, DrainingError, PrefillAborted, PrefillError, TensorParallelTransferError,
+from worker.errors import (CacheDisabledError, DrainingError, PrefillAborted, PrefillError,
                            PrefillTimeout, UnknownRequestError)
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,6 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (CacheDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
-    (TensorParallelTransferError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (PrefillTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),

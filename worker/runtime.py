@@ -29,7 +29,10 @@ from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
                         allocate_shared_buffer, create_engine)
-from kvtransfer.endpoint import local_host_id
+from kvtransfer.endpoint import EndpointInfo, local_host_id
+from kvtransfer.errors import PeerLostError
+from kvtransfer.group import GroupEndpoint
+from kvtransfer.layout import POOL_LAYOUT
 from rpc import PROTOCOL_VERSION
 from rpc.auth import TLSFiles
 from rpc import pdserve_pb2 as pb
@@ -88,6 +91,27 @@ class WorkerResources:
     shared: object | None = None
     lost: threading.Event = dataclasses.field(default_factory=threading.Event)
     lost_reason: str = ""
+    rank_endpoints: tuple[EndpointInfo, ...] = ()
+    """A tensor-parallel worker's ranks 1 .. N-1's endpoints (`worker.tp_rank`)."""
+    rank_events: dict[str, Callable[..., None]] = dataclasses.field(default_factory=dict)
+    """Handlers of the follower ranks' events, by kind: ``rank_events[msg[0]](rank, *msg[1:])``."""
+
+    @property
+    def tp_size(self) -> int:
+        return 1 + len(self.rank_endpoints)
+
+    def endpoint(self) -> GroupEndpoint:
+        """This worker's data plane for peers: its ranks' endpoints (`kvtransfer.group`)."""
+        return GroupEndpoint((self.transfer.describe(), *self.rank_endpoints), self.loaded.config.num_kv_heads,
+                             POOL_LAYOUT)
+
+    def on_rank_event(self, rank: int, msg: tuple) -> None:
+        """`engine.tp_ranks.TensorParallelModel.on_event`: dispatch to `rank_events`."""
+        handler = self.rank_events.get(msg[0])
+        if handler is None:
+            log.warning("tensor-parallel rank %d: unhandled event %r", rank, msg[0])
+            return
+        handler(rank, *msg[1:])
 
     def lose(self, reason: str) -> None:
         """Mark the worker unable to serve again (``lost``); `serve` stops it."""
@@ -114,7 +138,9 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     set_torch_threads(config.threads)
     loaded = loaded or load_model(config.model, config.weights, config.device,
                                  gemv_copies=config.role != "prefill", compiled=not config.enforce_eager,
-                                 tensor_parallel_size=config.tensor_parallel_size, threads=config.threads)
+                                 tensor_parallel_size=config.tensor_parallel_size, threads=config.threads,
+                                 tp_extension="worker.tp_rank:RankDataPlane")
+    tp = getattr(loaded.model, "tp_size", 1) > 1
     if config.weights == "auto":   # the mode load_model resolved it to (the compatibility hash's)
         config = dataclasses.replace(config, weights=loaded.weights)
     reason = prefix_caching_conflict(loaded.config)
@@ -130,6 +156,8 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         buffer, shared = allocate_shared_buffer(nbytes)
     else:
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    if tp:   # the followers' pools: in shared memory as rank 0's
+        loaded.model.call("kv_buffer", shared is not None)
     pool = make_pool(loaded, cache, buffer)
     if not config.enforce_eager:
         seconds = loaded.model.warm_up(pool)
@@ -142,8 +170,26 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
                                  verbs=verbs)
     transfer = create_engine(config.transfer_engine, engine_config, arrivals)
     region = transfer.register_memory(buffer[:nbytes], shared=shared)
-    return WorkerResources(config, loaded, cache, pool, KVLayout.from_tensor(pool.kv), transfer, region,
-                           compatibility_hash(loaded.config, cache, loaded.weights), shared)
+    res = WorkerResources(config, loaded, cache, pool, KVLayout.from_tensor(pool.kv), transfer, region,
+                          compatibility_hash(loaded.config, cache, loaded.weights), shared)
+    if tp:
+        _start_rank_data_planes(res, arrivals, engine_config)
+    return res
+
+
+def _start_rank_data_planes(res: WorkerResources, arrivals: ArrivalHandler | None, engine_config: EngineConfig) -> None:
+    """Every follower rank's own engine over its own pool (`worker.tp_rank`); a decode worker's
+    follower arrivals feed ``arrivals``; a lost group loses the worker."""
+    model, c = res.loaded.model, res.config
+    model.on_event = res.on_rank_event
+    model.on_lost = res.lose
+    if arrivals is not None:
+        res.rank_events["imm"] = lambda rank, imm, source, count: arrivals.on_immediate(imm, source, count)
+        res.rank_events["lost"] = lambda rank, source, why: arrivals.on_peer_lost(
+            source, PeerLostError(f"tensor-parallel rank {rank}: {why}"))
+    blobs = model.call("kv_engine", (c.transfer_engine, engine_config, c.role, res.loaded.config.num_kv_heads,
+                                     c.max_write_bytes))
+    res.rank_endpoints = tuple(EndpointInfo.from_bytes(b) for b in blobs)
 
 
 class WorkerService(Protocol):

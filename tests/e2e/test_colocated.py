@@ -3,15 +3,18 @@ worker serving every request on decode workers (``Decode.ServeColocated``), and 
 cluster in auto mode sending short prompts colocated and long ones disaggregated. Greedy output
 equals the single-process engine's on both paths, requests are counted by path, stop strings and
 client disconnects free every KV block, and workers are pinned to the CPUs asked for. A third
-cluster serves colocated on a tensor-parallel decode worker (SmolLM2 over 3 ranks) beside a
-TP-1 one: the same answers, its TP size in /admin/workers and the metrics, and a rank killed with
-SIGKILL under load takes its worker out while every request completes on the other."""
+cluster runs auto mode with tensor-parallel workers beside TP-1 ones (SmolLM2, 3 KV heads: a
+prefill and a decode worker over 3 ranks each, `worker.tp_rank`), so KV moves TP 3 -> 1, 1 -> 3,
+3 -> 3 and 1 -> 1 and short prompts run colocated on 3 ranks: the same answers, the TP sizes in
+/admin/workers and the metrics, and a prefill rank then a decode rank killed with SIGKILL under
+load each take their worker out while every request completes on the others."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +38,8 @@ MODES = {
                            cpu_affinity=(0, 1)),
     "auto-1p1d": dict(num_prefill=1, num_decode=1, serving_mode="auto",
                       colocated_threshold_tokens=THRESHOLD, transfer_engine="auto"),
-    "colocated-tp3": dict(num_prefill=0, num_decode=2, serving_mode="colocated", decode_tp=(3, 1)),
+    "auto-tp3": dict(num_prefill=2, num_decode=2, serving_mode="auto", colocated_threshold_tokens=THRESHOLD,
+                     prefill_tp=(3, 1), decode_tp=(3, 1)),
 }
 
 
@@ -173,50 +177,63 @@ def test_tensor_parallel_sizes_are_shown(cluster):
     sizes = {name: w["tensor_parallel_size"] for name, w in workers.items()}
     metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     shown = {m[0]: int(float(m[1])) for m in re.findall(
-        r'^pdserve_worker_tensor_parallel_size\{role="decode",worker_id="([\w-]+)"\} (\S+)$', metrics, re.M)}
-    tp = cluster.config.decode_tp
-    expect = {w.name: tp[min(int(w.name.split("-")[1]), len(tp) - 1)] if w.name.startswith("decode") else 1
-              for w in cluster.workers}
-    assert sizes == expect
-    assert shown == {name: n for name, n in expect.items() if name.startswith("decode")}
+        r'^pdserve_worker_tensor_parallel_size\{role="\w+",worker_id="([\w-]+)"\} (\S+)$', metrics, re.M)}
+    expect = {}
+    for w in cluster.workers:
+        tp = cluster.config.decode_tp if w.name.startswith("decode") else cluster.config.prefill_tp
+        expect[w.name] = tp[min(int(w.name.split("-")[1]), len(tp) - 1)]
+    assert sizes == expect == shown
     for w in cluster.workers:
         assert len(_tp_ranks(w.pid)) == expect.get(w.name, 1) - 1, w.name
 
 
-def test_a_killed_tp_rank_takes_its_worker_out_and_every_request_completes(cluster, reference, tokenizer):
-    if max(cluster.config.decode_tp) == 1:
+def test_killed_tp_ranks_take_their_workers_out_and_every_request_completes(cluster, reference, tokenizer):
+    """A prefill rank killed mid-transfer, then a decode rank killed mid-decode, each under load:
+    its worker exits (code 4, lost), its ranks are gone, every request completes with the
+    reference text (retried on the TP-1 workers), and the pools left are full."""
+    if cluster.config.num_prefill < 2 or max(cluster.config.decode_tp) == 1:
         pytest.skip("only the tensor-parallel cluster has ranks to kill")
-    tp_worker = next(w for w in cluster.workers if w.name == "decode-0")
-    ranks = _tp_ranks(tp_worker.pid)
     client = openai_client(cluster)
 
-    def one(i):
-        prompt = (SHORT, LONG)[i % 2]
-        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                           stream=True)
-        return prompt, "".join(c.choices[0].text for c in chunks if c.choices)
+    def load(i, stop):   # requests one after another until ``stop``: every worker stays busy
+        done = []
+        while not stop.is_set():
+            prompt = (LONG, SHORT, LONG + " man")[(i + len(done)) % 3]
+            chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True)
+            done.append((prompt, "".join(c.choices[0].text for c in chunks if c.choices)))
+        return done
 
     def retries() -> float:
         text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
         return float(re.search(r"^pdserve_request_retries_total (\S+)$", text, re.M).group(1))
 
-    before = retries()
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(one, i) for i in range(8)]
-        time.sleep(2.0)   # requests on both workers, decode-0's ranks mid-step
-        os.kill(ranks[0], signal.SIGKILL)
-        results = [f.result() for f in futures]
-    for prompt, text in results:
-        assert text == reference(tokenizer.encode(prompt), MAX_TOKENS).text, prompt
-    assert retries() > before   # decode-0's requests in flight were retried on decode-1
-    deadline = time.monotonic() + 60
-    while tp_worker.alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not tp_worker.alive() and tp_worker.popen.returncode == 4   # lost, as `worker.runtime.serve` says
-    assert not any(Path(f"/proc/{r}").exists() and "Z" not in Path(f"/proc/{r}/stat").read_text().split()[2]
-                   for r in ranks)
-    workers = httpx.get(f"{cluster.url}/admin/workers", timeout=10).json()
-    assert [w["id"] for w in workers] == ["decode-1"]
-    r = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == reference(tokenizer.encode(SHORT), MAX_TOKENS).text
-    assert_pools_full(cluster, num_workers=1)
+    left = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    for victim in ("prefill-0", "decode-0"):
+        worker = next(w for w in cluster.workers if w.name == victim)
+        ranks = _tp_ranks(worker.pid)
+        assert len(ranks) == 2
+        before, stop = retries(), threading.Event()
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(load, i, stop) for i in range(8)]
+            time.sleep(2.0)   # prefills writing and decodes stepping on every worker
+            os.kill(ranks[0], signal.SIGKILL)
+            time.sleep(2.0)
+            stop.set()
+            results = [r for f in futures for r in f.result()]
+        for prompt, text in results:
+            assert text == reference(tokenizer.encode(prompt), MAX_TOKENS).text, (victim, prompt)
+        if victim.startswith("decode"):   # a decode worker is always mid-request under this load
+            assert retries() > before, victim
+        deadline = time.monotonic() + 60
+        while worker.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not worker.alive() and worker.popen.returncode == 4, victim   # lost (`worker.runtime.serve`)
+        assert not any(Path(f"/proc/{r}").exists() and "Z" not in Path(f"/proc/{r}/stat").read_text().split()[2]
+                       for r in ranks)
+        left.remove(victim)
+        workers = httpx.get(f"{cluster.url}/admin/workers", timeout=10).json()
+        assert sorted(w["id"] for w in workers) == sorted(left)
+    r = client.completions.create(model=MODEL, prompt=LONG, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference(tokenizer.encode(LONG), MAX_TOKENS).text
+    assert_pools_full(cluster, num_workers=2)

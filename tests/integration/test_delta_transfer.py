@@ -41,7 +41,7 @@ def running_pair(smollm, decode: dict, prefill: dict):
     pres = build_resources(WorkerConfig(role="prefill", transfer_engine="tcp", **prefill), None, smollm)
     pworker = PrefillWorker(pres)
     try:
-        pworker.connect("d", dres.transfer.describe())
+        pworker.connect("d", dres.endpoint())
         yield pworker, dworker
     finally:
         pworker.close()

@@ -63,22 +63,19 @@ def test_sampling_round_trip_and_validation():
         sampling_from_proto(pb.SamplingParams(max_tokens=0))
 
 
-def test_tensor_parallel_workers_are_decode_workers_in_eager_mode_and_the_launcher_keeps_them_colocated(tmp_path):
-    from deploy.launcher import LauncherConfig
+def test_tensor_parallel_workers_run_eagerly_and_the_launcher_sizes_each_worker(tmp_path):
+    from deploy.launcher import Cluster, LauncherConfig
 
     assert WorkerConfig(role="decode", tensor_parallel_size=3).tensor_parallel_size == 3
-    with pytest.raises(ValueError, match="a prefill worker runs at --tensor-parallel-size 1"):
-        WorkerConfig(role="prefill", tensor_parallel_size=2)
+    assert WorkerConfig(role="prefill", tensor_parallel_size=2).tensor_parallel_size == 2
     with pytest.raises(ValueError, match="compiled layers do not run tensor-parallel"):
         WorkerConfig(role="decode", tensor_parallel_size=2, enforce_eager=False)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         WorkerConfig(role="decode", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="serve colocated requests only"):
-        LauncherConfig(decode_tp=(2,))
-    cluster = LauncherConfig(num_prefill=0, num_decode=3, serving_mode="colocated", decode_tp=(3, 1),
-                             log_dir=str(tmp_path))
-    from deploy.launcher import Cluster
-
+    with pytest.raises(ValueError, match="prefill_tp must list sizes >= 1"):
+        LauncherConfig(prefill_tp=(0,))
+    cluster = LauncherConfig(num_prefill=2, num_decode=3, decode_tp=(3, 1), prefill_tp=(2,), log_dir=str(tmp_path))
     argv = {w.name: w.argv for w in Cluster(cluster).workers}
     assert argv["decode-0"][argv["decode-0"].index("--tensor-parallel-size") + 1] == "3"
     assert "--tensor-parallel-size" not in argv["decode-1"] and "--tensor-parallel-size" not in argv["decode-2"]
+    assert all(argv[p][argv[p].index("--tensor-parallel-size") + 1] == "2" for p in ("prefill-0", "prefill-1"))
