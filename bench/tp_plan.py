@@ -75,7 +75,7 @@ def time_pair(engine: str, layers: int, kv: int, dim: int, a: int, b: int, token
     ``{"ms": median, "copy_ms": ...}``. Raises KVTransferError when a transfer fails."""
     blocks = -(-tokens // block_size)
     ids = list(range(blocks))
-    config = EngineConfig(secret="bench-tp-plan-secret-0123456789")
+    config = EngineConfig(secret=b"bench-tp-plan-secret-0123456789")
     readers, writers, inboxes, shared, expect = [], [], [], [], [0] * b
     try:
         for d in range(b):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPORT_NAME = "pytest-report.jsonl"
-_FORWARDED_ENV = ("PDSERVE_REQUIRE",)
+_FORWARDED_ENV = ("PDSERVE_REQUIRE", "PDSERVE_LAB_TP_MODEL")
 
 
 def _device_here() -> bool:
