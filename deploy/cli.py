@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deploy.launcher import WEIGHT_MODES
+from deploy.launcher import TRANSFER_ENGINES, WEIGHT_MODES
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def launcher_config(args: argparse.Namespace):
         threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
         grace_s=args.grace, serving_mode=args.serving_mode,
         colocated_threshold_tokens=args.colocated_threshold_tokens,
-        cpu_affinity=args.cpu_affinity, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,),
+        cpu_affinity=args.cpu_affinity, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
@@ -192,10 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--decode", type=int, default=1, help="decode workers")
     u.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of each decode worker")
     u.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of each prefill worker")
+    u.add_argument("--device", default="cpu", help="where every worker's weights and KV pool live: cpu or cuda[:n]")
     u.add_argument("--http-host", default="127.0.0.1")
     u.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0: any free port)")
     u.add_argument("--registry-port", type=int, default=50050, help="router's worker registry port")
-    u.add_argument("--transfer-engine", default="auto", choices=["auto", "tcp", "shm", "verbs"])
+    u.add_argument("--transfer-engine", default="auto", choices=list(TRANSFER_ENGINES))
     u.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool blocks per worker (default: 1024 per prefill worker, 2048 per decode worker)")
     u.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")

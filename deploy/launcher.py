@@ -35,7 +35,8 @@ import httpx
 
 from router.serving import SERVING_MODES, check_mode
 
-TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
+# worker.config.TRANSFER_ENGINES, named here because deploy imports no torch (a test keeps them equal).
+TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs", "cuda_ipc")
 
 
 # The --weights choices (engine.config.WEIGHT_CHOICES, named here because deploy imports no torch).
@@ -72,6 +73,8 @@ class LauncherConfig:
         cpu_affinity: CPUs to pin workers to, one each, in start order (prefill-0, prefill-1,
             ..., decode-0, ...), cycling when there are more workers than CPUs; empty: no
             pinning. The router is never pinned. A tensor-parallel worker's ranks share its CPU.
+        device: every worker's ``--device`` ("cpu" or "cuda[:n]": weights and KV pool there; two
+            GPU pools on one host move KV with cuda_ipc, others staged or over verbs).
         prefill_tp / decode_tp: the tensor parallel size of each prefill / decode worker in order
             (``--tensor-parallel-size``, `engine.tp`), the last repeating for the rest; any sizes
             the model's KV heads split over pair (`worker.tp_rank`).
@@ -97,6 +100,7 @@ class LauncherConfig:
     cpu_affinity: tuple[int, ...] = ()
     decode_tp: tuple[int, ...] = (1,)
     prefill_tp: tuple[int, ...] = (1,)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_mode(self.serving_mode, self.colocated_threshold_tokens)
@@ -122,6 +126,8 @@ class LauncherConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.startup_timeout_s <= 0 or self.grace_s <= 0:
@@ -239,6 +245,8 @@ class Cluster:
                 "--transfer-engine", c.transfer_engine, "--threads", str(c.threads), "--weights", c.weights]
         if c.num_blocks is not None:
             argv += ["--num-blocks", str(c.num_blocks)]
+        if c.device != "cpu":
+            argv += ["--device", c.device]
         if c.model:
             argv += ["--model", c.model]
         sizes = c.decode_tp if role == "decode" else c.prefill_tp

@@ -82,7 +82,13 @@ def _auto(config: EngineConfig, arrivals: ArrivalHandler | None) -> TransferEngi
     return AutoEngine(config, None, arrivals)
 
 
-_ENGINES: dict[str, EngineFactory] = {"tcp": _tcp, "shm": _shm, "verbs": _verbs, "auto": _auto}
+def _cuda_ipc(config: EngineConfig, arrivals: ArrivalHandler | None) -> TransferEngine:
+    from kvtransfer.cuda_ipc import CudaIpcEngine
+    return CudaIpcEngine(config, arrivals)
+
+
+_ENGINES: dict[str, EngineFactory] = {"tcp": _tcp, "shm": _shm, "verbs": _verbs, "auto": _auto,
+                                      "cuda_ipc": _cuda_ipc}
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -97,7 +103,7 @@ def engine_names() -> tuple[str, ...]:
 
 
 def create_engine(name: str, config: EngineConfig, arrivals: ArrivalHandler | None = None) -> TransferEngine:
-    """Build the engine ``name`` (``auto``, ``tcp``, ``shm``, ``verbs``).
+    """Build the engine ``name`` (``auto``, ``tcp``, ``shm``, ``verbs``, ``cuda_ipc``).
 
     ``arrivals`` receives remote immediates and lost writers (default: an :class:`ImmediateQueue`).
     Raises ``EngineUnavailableError`` for an unknown name or when the engine cannot run here

@@ -1,5 +1,6 @@
 """``auto``: a primary engine (verbs when an RDMA device exists, else tcp) plus shm for peers on the
-same host. Both share one memory table, one completion tracker and one arrival handler, so keys,
+same host, and cuda_ipc between two GPU pools on the same host (when a CUDA pool is registered and
+cupy runs). Both share one memory table, one completion tracker and one arrival handler, so keys,
 handles and immediates are the same whichever path a peer uses.
 
 Choosing the primary (:func:`choose_primary`): no pyverbs or no RDMA device -> tcp; otherwise
@@ -13,6 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from kvtransfer.base import (ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine,
                              WriteCompletion, WriteHandle, WriteOp)
@@ -79,16 +82,43 @@ class AutoEngine(TransferEngine):
             self._primary.close()
             raise
         self._routes: dict[PeerId, TransferEngine] = {}
+        self._ipc = None   # a CudaIpcEngine, built when a CUDA pool is registered
 
     @property
     def primary(self) -> TransferEngine:
         return self._primary
 
     def register_memory(self, memory: Memory, *, shared: object | None = None) -> MemoryRegion:
+        """The primary's registration; a CUDA tensor with a tcp primary is staged through a
+        host mirror in shared memory (`kvtransfer.staging`), so same-host peers still use shm."""
+        if isinstance(memory, torch.Tensor) and memory.is_cuda:
+            if self._shm is not None and self._primary.name == "tcp":
+                region = self._shm.register_memory(memory)   # the table is shared: tcp sees it too
+            else:
+                region = self._primary.register_memory(memory, shared=shared)
+            self._export_ipc(memory, region.key)
+            return region
         return self._primary.register_memory(memory, shared=shared)
+
+    def _export_ipc(self, memory: torch.Tensor, key: int) -> None:
+        """Export a CUDA pool over cuda_ipc too, under the same key (same-host GPU peers copy
+        device to device); without cupy or when the export fails, the reason is logged."""
+        if not self._s.config.enable_shm:
+            return
+        try:
+            if self._ipc is None:
+                from kvtransfer.cuda_ipc import CudaIpcEngine
+                self._ipc = CudaIpcEngine(self._s.config, shared=self._s)
+            self._ipc.export(memory, key)
+        except (EngineUnavailableError, TransferError) as exc:
+            log.warning("transfer engine auto: no cuda_ipc for this CUDA pool (%s)", exc)
 
     def deregister_memory(self, region: MemoryRegion) -> None:
         self._primary.deregister_memory(region)
+        if self._shm is not None:
+            self._shm.deregister_memory(region)   # a staged mirror it allocated (idempotent otherwise)
+        if self._ipc is not None:
+            self._ipc.deregister_memory(region)
 
     def describe(self) -> EndpointInfo:
         """The primary's regions (verbs: every MR, CUDA ones included, at the address peers
@@ -100,12 +130,23 @@ class AutoEngine(TransferEngine):
         transports = primary.transports
         if self._shm is not None:
             transports = self._shm.describe().transports + transports
+        if self._ipc is not None:
+            transports = self._ipc.describe().transports + transports
         return EndpointInfo(self._s.endpoint_id, local_host_id(), tuple(regions.values()), transports)
 
     def flush_arrivals(self) -> None:
         self._primary.flush_arrivals()
 
     def connect(self, peer: EndpointInfo) -> PeerId:
+        if self._ipc is not None:
+            from kvtransfer.cuda_ipc import CudaIpcEngine
+            if CudaIpcEngine.reachable(peer):
+                try:
+                    peer_id = self._ipc.connect(peer)
+                    self._routes[peer_id] = self._ipc
+                    return peer_id
+                except TransferError as exc:
+                    log.warning("cuda_ipc to %s failed (%s); trying the others", peer.endpoint_id, exc)
         if self._shm is not None and ShmEngine.reachable(peer):
             try:
                 peer_id = self._shm.connect(peer)
@@ -120,7 +161,7 @@ class AutoEngine(TransferEngine):
         return peer_id
 
     def route(self, peer: PeerId) -> str:
-        """Name of the engine carrying ``peer`` (``"shm"``, ``"tcp"``, ``"verbs"``)."""
+        """Name of the engine carrying ``peer`` (``"cuda_ipc"``, ``"shm"``, ``"tcp"``, ``"verbs"``)."""
         return self._engine(peer).name
 
     def post_writes(self, peer: PeerId, ops: Sequence[WriteOp]) -> WriteHandle:
@@ -142,10 +183,14 @@ class AutoEngine(TransferEngine):
 
     def close(self) -> None:
         try:
-            if self._shm is not None:
-                self._shm.close()
+            if self._ipc is not None:
+                self._ipc.close()
         finally:
-            self._primary.close()
+            try:
+                if self._shm is not None:
+                    self._shm.close()
+            finally:
+                self._primary.close()
 
     def _engine(self, peer: PeerId) -> TransferEngine:
         engine = self._routes.get(peer)

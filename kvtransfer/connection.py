@@ -35,6 +35,7 @@ from kvtransfer.frame import (D_END_BATCH, DESC_SIZE, F_ACK_REQ, F_FLUSH, HEADER
                               MAX_DESCS, T_ACK, T_BYE, VERSION, CheckedDescs, Frame, FrameType, WireStatus,
                               check_descs, imm_runs, recv_exact, recv_exact_many)
 from kvtransfer.memory import MemoryTable
+from kvtransfer.staging import Stager
 from kvtransfer.tracker import CompletionTracker, EngineCounters
 
 log = logging.getLogger(__name__)
@@ -131,26 +132,30 @@ class Listener:
 class InboundConnection(abc.ABC):
     """The receiver end of one writer stream: handshake, then the frame loop (:meth:`_serve`)
     until BYE; an abnormal end is reported once to ``arrivals.on_peer_lost``.
-    ``after_auth(sock)`` runs once after the handshake (shm sends its fds there).
+    ``after_auth(sock)`` runs once after the handshake (shm sends its fds there); descriptors are
+    checked against ``table`` (default: the engine's shared memory table).
 
     Both software transports share the loop: read a header of type ``frame_type``, read and check
     its descriptors (:func:`~kvtransfer.frame.check_descs`; only shared regions are valid when
-    ``need_shared``), let the transport place the payloads (:meth:`_place`), then deliver the
-    immediates and account the frame (:meth:`_account`).
+    ``need_shared``), let the transport place the payloads (:meth:`_place`), copy those of staged
+    registrations to their device (`kvtransfer.staging`), then deliver the immediates and account
+    the frame (:meth:`_account`).
     """
 
     frame_type: int
     need_shared: bool = False
 
     def __init__(self, shared: Shared, sock: socket.socket,
-                 after_auth: Callable[[socket.socket], None] | None = None) -> None:
+                 after_auth: Callable[[socket.socket], None] | None = None, table: MemoryTable | None = None) -> None:
         self.sock = sock
         self._shared, self._after_auth = shared, after_auth
+        self._table = table if table is not None else shared.memory   # what descriptors are checked against
         self._acks: list[bytes] = []
         self._part_error = self._part_rejected = 0   # of the batch part in progress
         self.closing = False
         self.authenticated = False
         self.source = ""
+        self._stager = Stager(shared.memory.get)   # staged (device) registrations: `kvtransfer.staging`
 
     def run(self) -> None:
         try:
@@ -174,7 +179,7 @@ class InboundConnection(abc.ABC):
 
     def _serve(self) -> None:
         """Read frames until BYE (return) or failure (raise)."""
-        sock, memory = self.sock, self._shared.memory
+        sock, memory = self.sock, self._table
         hdr = memoryview(bytearray(HEADER_SIZE))
         descs = memoryview(bytearray(DESC_SIZE * MAX_DESCS))
         while True:
@@ -190,6 +195,8 @@ class InboundConnection(abc.ABC):
             recv_exact_many(sock, [descs[:count * DESC_SIZE]])
             checked = check_descs(descs[:count * DESC_SIZE], memory, need_shared=self.need_shared)
             self._place(checked)
+            if any(reg.home is not None for reg in checked.regs.values()):   # a device pool
+                self._stager.stage_in(checked.descs, checked.status)
             self._deliver(checked.imms)
             self._account(checked, flags, seq)
 

@@ -25,6 +25,7 @@ class TransportKind(str, Enum):
     TCP = "tcp"
     SHM = "shm"
     VERBS = "verbs"
+    CUDA_IPC = "cuda_ipc"
 
 
 @dataclass(frozen=True, slots=True)

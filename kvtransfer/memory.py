@@ -16,12 +16,17 @@ from kvtransfer.errors import RemoteAccessError, TransferError
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """A region plus a writable uint8 view of its bytes and the object keeping them alive."""
+    """A region plus a writable uint8 view of its bytes and the object keeping them alive.
+
+    A staged registration (`kvtransfer.staging`) also has ``home``, the flat uint8 tensor (on a
+    GPU) whose bytes the registered ones mirror, and ``mirror``, the registered bytes as a tensor."""
 
     region: MemoryRegion
     view: np.ndarray
     owner: object
     shared: object | None = None
+    home: torch.Tensor | None = None
+    mirror: torch.Tensor | None = None
 
 
 def host_view(memory: torch.Tensor | tuple[int, int]) -> tuple[int, int, np.ndarray, object]:
@@ -52,16 +57,39 @@ class MemoryTable:
         self._by_key: dict[int, Registration] = {}
 
     def register(self, memory: torch.Tensor | tuple[int, int], shared: object | None = None,
-                 key: int | None = None) -> Registration:
+                 key: int | None = None, home: torch.Tensor | None = None) -> Registration:
+        """Register ``memory`` (host bytes) under a new random key (or ``key``); ``home``: the
+        tensor it mirrors (a staged registration: ``memory`` must then be a uint8 tensor of the
+        same length). Raises TransferError (CUDA or non-contiguous memory, a taken key)."""
         addr, length, view, owner = host_view(memory)
+        if home is not None and (not isinstance(memory, torch.Tensor) or home.numel() != length):
+            raise TransferError("a staged registration's mirror is a tensor as long as its home")
         with self._lock:
-            if key is None:
+            key = self._free_key(key)
+            reg = Registration(MemoryRegion(addr, length, key), view, owner, shared, home,
+                               memory if home is not None else None)
+            self._by_key[key] = reg
+            return reg
+
+    def _free_key(self, key: int | None) -> int:
+        """``key`` if free (TransferError if taken), else a new random nonzero key; under the lock."""
+        if key is None:
+            key = secrets.randbits(32)
+            while key == 0 or key in self._by_key:
                 key = secrets.randbits(32)
-                while key == 0 or key in self._by_key:
-                    key = secrets.randbits(32)
-            elif key in self._by_key:
-                raise TransferError(f"memory key {key:#x} already registered")
-            reg = Registration(MemoryRegion(addr, length, key), view, owner, shared)
+        elif key in self._by_key:
+            raise TransferError(f"memory key {key:#x} already registered")
+        return key
+
+    def register_device(self, tensor: torch.Tensor, shared: object, key: int | None = None) -> Registration:
+        """Register a contiguous device tensor that this process never reads through a host view
+        (cuda_ipc: peers copy into it on the device); ``shared`` is its export. Raises TransferError."""
+        if not tensor.is_contiguous():
+            raise TransferError("registered tensors must be contiguous")
+        length = tensor.numel() * tensor.element_size()
+        with self._lock:
+            key = self._free_key(key)
+            reg = Registration(MemoryRegion(tensor.data_ptr(), length, key), np.empty(0, np.uint8), tensor, shared)
             self._by_key[key] = reg
             return reg
 

@@ -127,6 +127,7 @@ class ShmEngine(SoftwareEngine):
     """The shm engine; see the module docstring. Listens from construction until ``close()``."""
 
     name = "shm"
+    MIRROR_ALLOCATOR = staticmethod(allocate_shared_buffer)
 
     def __init__(self, config: EngineConfig, arrivals: ArrivalHandler | None = None,
                  shared: Shared | None = None) -> None:
@@ -195,6 +196,7 @@ class ShmEngine(SoftwareEngine):
 
     def _send_batches(self, views: dict[int, memoryview], sock: socket.socket,
                       batches: list[tuple[Sequence[WriteOp], int]]) -> None:
+        self.stager().stage_out([op for ops, _ in batches for op in ops])   # device pools: to the mirror
         local = ViewCache(self._s.memory)
         frames = []
         key = remote_key = None

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvtransfer.base import (ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine, WriteCompletion,
                              WriteHandle, WriteOp)
 from kvtransfer.config import EngineConfig
@@ -18,6 +20,7 @@ from kvtransfer.connection import InboundConnection, Listener, OutboundStream, S
 from kvtransfer.endpoint import EndpointId, EndpointInfo, MemoryRegion, TransportAddress, local_host_id
 from kvtransfer.errors import PeerLostError, RemoteAccessError, TransferError
 from kvtransfer.memory import check_bounds
+from kvtransfer.staging import Stager, allocate_mirror, home_bytes
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class SoftwareEngine(TransferEngine):
     """
 
     STRIPE_MIN_BYTES = 1 << 20
+    MIRROR_ALLOCATOR = None   # staged registrations' mirrors: shm's in shared memory (it receives there)
     MAX_PREAUTH = 16   # inbound connections still handshaking; more are closed at once
 
     def __init__(self, config: EngineConfig, arrivals: ArrivalHandler | None = None,
@@ -62,6 +66,8 @@ class SoftwareEngine(TransferEngine):
         self._next_stream = itertools.count()
         self._closed = False
         self._listener: Listener | None = None
+        self._mirrors: dict[int, object] = {}   # staged registrations' shared mirror handles
+        self._local = threading.local()
 
     # -- transport hooks ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -78,12 +84,38 @@ class SoftwareEngine(TransferEngine):
     def endpoint_id(self) -> EndpointId:
         return self._s.endpoint_id
 
-    def register_memory(self, memory: Memory, *, shared: object | None = None) -> MemoryRegion:
+    def register_memory(self, memory: Memory, *, shared: object | None = None, stage: bool = False) -> MemoryRegion:
+        """As `TransferEngine.register_memory`; a CUDA tensor (or any tensor with ``stage``) is
+        registered staged (`kvtransfer.staging`): the engine allocates its host mirror (in shared
+        memory for shm) and registers that; ``shared`` is then ignored."""
         self._check_open()
+        if isinstance(memory, torch.Tensor) and (memory.is_cuda or stage):
+            home = home_bytes(memory)
+            mirror, handle = allocate_mirror(memory, self.MIRROR_ALLOCATOR)
+            try:
+                reg = self._s.memory.register(mirror, handle, home=home)
+            except BaseException:
+                if handle is not None:
+                    handle.close()
+                raise
+            with self._lock:
+                self._mirrors[reg.region.key] = handle
+            return reg.region
         return self._s.memory.register(memory, shared).region
 
     def deregister_memory(self, region: MemoryRegion) -> None:
         self._s.memory.deregister(region.key)
+        with self._lock:
+            handle = self._mirrors.pop(region.key, None)
+        if handle is not None:
+            handle.close()
+
+    def stager(self) -> Stager:
+        """This thread's `kvtransfer.staging.Stager` over the engine's memory table."""
+        stager = getattr(self._local, "stager", None)
+        if stager is None:
+            stager = self._local.stager = Stager(self._s.memory.get)
+        return stager
 
     def describe(self) -> EndpointInfo:
         return EndpointInfo(self._s.endpoint_id, local_host_id(), self._s.memory.regions(), (self._transport(),))
@@ -126,13 +158,17 @@ class SoftwareEngine(TransferEngine):
             stream.submit(handle, part, sum(op.length for op in part))
         return handle
 
+    def _local_table(self):
+        """The memory table a writer's local keys are looked up in (the shared one)."""
+        return self._s.memory
+
     def _check_local(self, ops: Sequence[WriteOp]) -> int:
         """Total bytes of ``ops``; ``RemoteAccessError`` if a local region is not registered or
         a local range leaves it (nothing is posted then)."""
-        nbytes, key, length = 0, None, 0
+        nbytes, key, length, table = 0, None, 0, self._local_table()
         for op in ops:
             if op.local.key != key:
-                reg = self._s.memory.get(op.local.key)
+                reg = table.get(op.local.key)
                 if reg is None:
                     raise RemoteAccessError(f"local region key {op.local.key:#x} is not registered")
                 key, length = op.local.key, reg.region.length

@@ -14,7 +14,7 @@ from engine.config import kv_cache_dtype, weights_dtype
 from rpc.auth import DEV_SECRET, read_secret
 
 ROLES = ("prefill", "decode")
-TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs")
+TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs", "cuda_ipc")
 # KV pool blocks per role when --num-blocks is not given. A decode worker holds every running
 # sequence's KV (2048 blocks: 32 sequences of 1,024 tokens). A prefill worker holds a prompt
 # from its pass until its KV is sent, plus the prefix cache: 1024 blocks fit two prompts of the
@@ -40,7 +40,8 @@ class WorkerConfig:
             model loads (`engine.loader.resolve_weights`). Prefill and decode workers
             of one cluster must agree (it is part of the compatibility hash).
         device: "cpu" or "cuda[:n]": where weights and the KV pool live. A CUDA pool is registered
-            for GPUDirect RDMA and needs the verbs transfer engine.
+            for GPUDirect RDMA with verbs, and staged through a pinned host mirror with tcp and
+            shm (`kvtransfer.staging`).
         num_blocks: KV pool blocks of ``block_size`` tokens; 0: the role's default,
             `DEFAULT_NUM_BLOCKS` (a prefill worker holds only the prompts it computes or sends
             and its prefix cache; docs/PERFORMANCE.md "KV pool and worker memory" has the
@@ -149,8 +150,8 @@ class WorkerConfig:
             raise ValueError("native (4-bit) weights run on the CPU only; use --weights bf16 on CUDA")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
-        if self.device.startswith("cuda") and self.transfer_engine not in ("verbs", "auto"):
-            raise ValueError("a CUDA KV pool needs the verbs engine (GPUDirect); tcp and shm move host memory")
+        if self.transfer_engine == "cuda_ipc" and not self.device.startswith("cuda"):
+            raise ValueError("the cuda_ipc transfer engine moves GPU pools: it needs --device cuda")
         if self.tensor_parallel_size > 1 and not self.enforce_eager:
             raise ValueError("compiled layers do not run tensor-parallel yet; use --enforce-eager")
         if self.quarantine_s <= self.prefill_timeout_s:

@@ -83,18 +83,28 @@ def dmabuf_supported(device_index: int) -> bool:
         return False
 
 
-def _dmabuf_fd(tensor: torch.Tensor) -> tuple[int, int]:
-    """(dma-buf fd of the allocation holding ``tensor``, byte offset of the tensor in it)."""
+def allocation_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(base address, bytes)`` of the CUDA allocation holding ``tensor`` (``cuMemGetAddressRange``:
+    a caching allocator's tensor may start inside a larger allocation; dma-buf export and CUDA IPC
+    handles name whole allocations). Raises GpuRegistrationError."""
     lib = _libcuda()
     torch.cuda.set_device(tensor.device)   # the runtime makes the primary context current
     ptr = ctypes.c_uint64(tensor.data_ptr())
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
     _check(lib, lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
+    return base.value, size.value
+
+
+def _dmabuf_fd(tensor: torch.Tensor) -> tuple[int, int]:
+    """(dma-buf fd of the allocation holding ``tensor``, byte offset of the tensor in it)."""
+    lib = _libcuda()
+    base_addr, nbytes = allocation_range(tensor)
+    base, size = ctypes.c_uint64(base_addr), ctypes.c_size_t(nbytes)
     fd = ctypes.c_int(-1)
     _check(lib, lib.cuMemGetHandleForAddressRange(ctypes.byref(fd), base, size,
                                                   CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ctypes.c_ulonglong(0)),
            "cuMemGetHandleForAddressRange(DMA_BUF_FD)")
-    return fd.value, tensor.data_ptr() - base.value
+    return fd.value, tensor.data_ptr() - base_addr
 
 
 def register_cuda(pd: object, tensor: torch.Tensor, access: int) -> GpuRegistration:

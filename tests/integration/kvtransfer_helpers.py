@@ -28,7 +28,7 @@ def pool_shape(num_blocks: int) -> tuple[int, ...]:
 
 def blocks_digest(pool: torch.Tensor, block_ids: list[int]) -> str:
     """SHA-256 of ``pool[:, :, :, block_ids]`` (all layers, K and V, heads), in id order."""
-    gathered = pool[:, :, :, torch.tensor(block_ids, dtype=torch.long)].contiguous()
+    gathered = pool[:, :, :, torch.tensor(block_ids, dtype=torch.long, device=pool.device)].contiguous().cpu()
     return hashlib.sha256(gathered.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -43,7 +43,7 @@ def engine_config(**overrides: Any) -> Any:
 
 
 def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str,
-                   overrides: dict | None = None) -> None:
+                   overrides: dict | None = None, device: str = "cpu") -> None:
     from kvtransfer import CompletionCounter, allocate_shared_buffer, create_engine
 
     dtype = getattr(torch, dtype_name)
@@ -52,8 +52,11 @@ def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str
     done_events: list[tuple[int, int, int]] = []
     counter = CompletionCounter(64, on_done=lambda s, g, st: done_events.append((s, g, int(st))))
     engine = create_engine(engine_name, engine_config(**(overrides or {})), arrivals=counter)
-    raw, shared = allocate_shared_buffer(nbytes) if engine_name in ("shm", "auto") else (
-        torch.zeros(nbytes, dtype=torch.uint8), None)
+    if device != "cpu":   # a GPU pool: staged by tcp/shm, exported by cuda_ipc
+        raw, shared = torch.zeros(nbytes, dtype=torch.uint8, device=device), None
+    else:
+        raw, shared = allocate_shared_buffer(nbytes) if engine_name in ("shm", "auto") else (
+            torch.zeros(nbytes, dtype=torch.uint8), None)
     pool = raw.view(dtype).view(shape)
     region = engine.register_memory(raw, shared=shared)
     conn.send(engine.describe().to_bytes())
@@ -63,7 +66,7 @@ def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str
         "release": lambda slot, gen: counter.release(slot, gen),
         "state": lambda slot: (int(counter.state(slot).state), counter.state(slot).received),
         "digest": lambda ids: blocks_digest(pool, ids),
-        "bytes_digest": lambda off, n: hashlib.sha256(raw[off:off + n].numpy().tobytes()).hexdigest(),
+        "bytes_digest": lambda off, n: hashlib.sha256(raw[off:off + n].cpu().numpy().tobytes()).hexdigest(),
         "stats": lambda: (asdict(engine.stats()), asdict(counter.stats()), list(done_events)),
         "region_key": lambda: region.key,
         "zero": lambda: raw.zero_() is None,
@@ -96,10 +99,11 @@ class Receiver:
     """Handle on a receiver process: ``call(cmd, *args)`` runs a command there."""
 
     def __init__(self, engine_name: str, num_blocks: int, dtype: str = "float32",
-                 overrides: dict | None = None, start_method: str = "spawn") -> None:
+                 overrides: dict | None = None, start_method: str = "spawn", device: str = "cpu") -> None:
         ctx = mp.get_context(start_method)
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, engine_name, num_blocks, dtype, overrides),
+        self.proc = ctx.Process(target=_receiver_main,
+                                args=(child, engine_name, num_blocks, dtype, overrides, device),
                                 name=f"kv-receiver-{engine_name}", daemon=True)
         self.proc.start()
         if not self._conn.poll(60):
@@ -123,13 +127,13 @@ class Receiver:
 
 
 def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple,
-                 overrides: dict | None = None) -> None:
+                 overrides: dict | None = None, device: str = "cpu") -> None:
     """A writer that connects, then posts the same transfer in a loop until killed."""
     from kvtransfer import (EndpointInfo, KVLayout, create_engine, pack_immediate, plan_writes,
                             to_write_ops)
 
     src_ids, dst_ids, dst_blocks, slot, gen = plan_args
-    pool = torch.randn(pool_shape(num_blocks))
+    pool = torch.randn(pool_shape(num_blocks), device=device)
     engine = create_engine(engine_name, engine_config(**(overrides or {})))
     local = engine.register_memory(pool)
     info = EndpointInfo.from_bytes(blob)
@@ -151,11 +155,13 @@ def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan
 
 
 def spawn_writer(engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple,
-                 overrides: dict | None = None, start_method: str = "spawn") -> tuple[Any, Any, str]:
+                 overrides: dict | None = None, start_method: str = "spawn",
+                 device: str = "cpu") -> tuple[Any, Any, str]:
     """Start a looping writer; returns (process, pipe, its endpoint id)."""
     ctx = mp.get_context(start_method)
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_writer_main, args=(child, engine_name, blob, num_blocks, plan_args, overrides),
+    proc = ctx.Process(target=_writer_main,
+                       args=(child, engine_name, blob, num_blocks, plan_args, overrides, device),
                        name="kv-writer", daemon=True)
     proc.start()
     if not parent.poll(60):

@@ -1,6 +1,8 @@
 """The engine contract (kvtransfer/base.py), one suite for every engine: tcp and shm on the host,
 verbs on a real RDMA stack (Soft-RoCE in the lab, or the host's device) in two topologies: two
-devices over the lab's veth pair (writer rxe0 -> receiver rxe1) and one device to itself.
+devices over the lab's veth pair (writer rxe0 -> receiver rxe1) and one device to itself; on a
+GPU (cuda marker: skipped without one, a failure under PDSERVE_REQUIRE=cuda), cuda_ipc between two
+GPU pools and tcp and shm with GPU pools on both sides (staged through host mirrors).
 
 A receiver process (decode side) per engine; this process writes. Wire-format details of tcp and
 shm are tested in test_kvtransfer_engines.py.
@@ -9,6 +11,7 @@ shm are tested in test_kvtransfer_engines.py.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import multiprocessing as mp
 import random
 import threading
@@ -17,10 +20,11 @@ import time
 import pytest
 import torch
 
-from kvtransfer import (EndpointInfo, KVLayout, KVTransferError, PeerLostError, RemoteAccessError,
+from kvtransfer import (EndpointInfo, KVLayout, KVTransferError, RemoteAccessError,
                         TransferError, WriteOp, count_writes, create_engine, pack_immediate, plan_writes,
                         to_write_ops)
 from kvtransfer_helpers import Receiver, blocks_digest, engine_config, pool_shape, spawn_writer
+from tests.require import unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -32,8 +36,18 @@ SETUPS = {
     "shm": ("shm", {}, {}),
     "verbs-2dev": ("verbs", {"verbs": {"device": "rxe1"}}, {"verbs": {"device": "rxe0"}}),
     "verbs-loop": ("verbs", {"verbs": {"device": "rxe0"}}, {"verbs": {"device": "rxe0"}}),
+    "cuda_ipc": ("cuda_ipc", {}, {}),
+    "tcp-cuda": ("tcp", {}, {}),
+    "shm-cuda": ("shm", {}, {}),
 }
-ALL = [pytest.param(k, marks=[pytest.mark.rdma] if k.startswith("verbs") else [], id=k) for k in SETUPS]
+GPU = {"cuda_ipc", "tcp-cuda", "shm-cuda"}   # both pools on the GPU
+
+
+def _marks(name: str) -> list:
+    return [pytest.mark.rdma] if name.startswith("verbs") else [pytest.mark.cuda] if name in GPU else []
+
+
+ALL = [pytest.param(k, marks=_marks(k), id=k) for k in SETUPS]
 # One device to itself runs the data-path core (every test costs minutes under the lab's
 # emulated CPU); the failure and scale tests run over the two devices.
 PARAMS = [p for p in ALL if p.id != "verbs-loop"]
@@ -69,14 +83,24 @@ def _forkserver():
     mp.set_forkserver_preload(["torch", "kvtransfer", "kvtransfer_helpers"])
 
 
+def _device(setup: str) -> str:
+    return "cuda" if setup in GPU else "cpu"
+
+
 @pytest.fixture(scope="module", params=PARAMS)
 def setup(request) -> str:
+    if request.param in GPU:
+        if not torch.cuda.is_available():
+            unavailable("cuda", f"no CUDA device: the {request.param} contract cannot run here")
+        if request.param == "cuda_ipc" and importlib.util.find_spec("cupy") is None:
+            unavailable("cuda", "cuda_ipc needs cupy, which is not installed")
     return request.param
 
 
 @pytest.fixture(scope="module")
 def receiver(setup):
-    rx = Receiver(SETUPS[setup][0], DST_BLOCKS, overrides=_overrides(setup, 0), start_method=START)
+    rx = Receiver(SETUPS[setup][0], DST_BLOCKS, overrides=_overrides(setup, 0), start_method=START,
+                  device=_device(setup))
     yield rx
     if rx.proc.is_alive():
         names = rx.close()
@@ -86,7 +110,7 @@ def receiver(setup):
 @pytest.fixture(scope="module")
 def writer(setup, receiver):
     torch.manual_seed(0)
-    pool = torch.randn(pool_shape(SRC_BLOCKS))
+    pool = torch.randn(pool_shape(SRC_BLOCKS), device=_device(setup))
     engine = create_engine(SETUPS[setup][0], engine_config(**_overrides(setup, 1)))
     local = engine.register_memory(pool)
     info = EndpointInfo.from_bytes(receiver.endpoint_blob)
@@ -178,11 +202,12 @@ def test_smallest_receive_capacity_does_not_hang(setup):
     within its deadline, OK or with a typed error, and a transfer after it works."""
     extra = {"verbs": {"srq_depth": 16, "cq_depth": 128}} if SETUPS[setup][0] == "verbs" else {
         "socket_buffer_bytes": 4096}
-    rx = Receiver(SETUPS[setup][0], 8, overrides=_overrides(setup, 0, **extra), start_method=START)
+    rx = Receiver(SETUPS[setup][0], 8, overrides=_overrides(setup, 0, **extra), start_method=START,
+                  device=_device(setup))
     engine = create_engine(SETUPS[setup][0], engine_config(**_overrides(setup, 1)))
     try:
         src = torch.randint(0, 255, (2 << 20,), dtype=torch.uint8)
-        local = engine.register_memory(src)
+        local = engine.register_memory(src.to(_device(setup)))
         info = EndpointInfo.from_bytes(rx.endpoint_blob)
         peer = engine.connect(info)
         key = info.regions[0].key
@@ -218,7 +243,7 @@ def test_peer_killed_mid_transfer_surfaces_on_peer_lost(setup, receiver):
     ids = list(range(0, 128))
     proc, pipe, writer_id = spawn_writer(SETUPS[setup][0], receiver.endpoint_blob, SRC_BLOCKS,
                                          (ids, ids, DST_BLOCKS, slot, gen), overrides=_overrides(setup, 1),
-                                         start_method=START)
+                                         start_method=START, device=_device(setup))
     try:
         receiver.call("expect", slot, gen, 10 ** 9, writer_id)
         assert pipe.poll(300) and pipe.recv() == "started"
@@ -244,7 +269,7 @@ def _kv_threads() -> set[threading.Thread]:
 def test_close_with_writes_in_flight(setup, receiver):
     before = _kv_threads()
     engine = create_engine(SETUPS[setup][0], engine_config(**_overrides(setup, 1)))
-    src = torch.randint(0, 255, (8 << 20,), dtype=torch.uint8)
+    src = torch.randint(0, 255, (8 << 20,), dtype=torch.uint8, device=_device(setup))
     local = engine.register_memory(src)
     info = EndpointInfo.from_bytes(receiver.endpoint_blob)
     peer = engine.connect(info)
@@ -266,7 +291,7 @@ def test_close_with_writes_in_flight(setup, receiver):
 def _fresh_transfer_works(setup, receiver):
     with create_engine(SETUPS[setup][0], engine_config(**_overrides(setup, 1))) as engine:
         src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
-        local = engine.register_memory(src)
+        local = engine.register_memory(src.to(_device(setup)))
         info = EndpointInfo.from_bytes(receiver.endpoint_blob)
         peer = engine.connect(info)
         engine.wait(engine.post_writes(peer, [WriteOp(local, 0, info.regions[0].key, 0, 1 << 20)]), 60)
@@ -283,7 +308,7 @@ def test_eight_peers_at_once(setup, receiver):
     engines = [create_engine(SETUPS[setup][0], engine_config(**_overrides(setup, 1, **extra))) for _ in range(8)]
     errors: list[BaseException] = []
     slots = [receiver.call("acquire", 60.0) for _ in range(8)]
-    src = torch.randint(0, 255, (8, 1 << 20), dtype=torch.uint8)
+    src = torch.randint(0, 255, (8, 1 << 20), dtype=torch.uint8, device=_device(setup))
 
     def run(i: int) -> None:
         try:

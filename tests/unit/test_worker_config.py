@@ -79,3 +79,13 @@ def test_tensor_parallel_workers_run_eagerly_and_the_launcher_sizes_each_worker(
     assert argv["decode-0"][argv["decode-0"].index("--tensor-parallel-size") + 1] == "3"
     assert "--tensor-parallel-size" not in argv["decode-1"] and "--tensor-parallel-size" not in argv["decode-2"]
     assert all(argv[p][argv[p].index("--tensor-parallel-size") + 1] == "2" for p in ("prefill-0", "prefill-1"))
+
+
+def test_transfer_engines_agree_and_cuda_ipc_needs_a_gpu_pool():
+    from deploy.launcher import TRANSFER_ENGINES as LAUNCHER_ENGINES
+    from worker.config import TRANSFER_ENGINES
+
+    assert LAUNCHER_ENGINES == TRANSFER_ENGINES   # the launcher's torch-free copy
+    with pytest.raises(ValueError, match="cuda_ipc transfer engine moves GPU pools"):
+        WorkerConfig(role="decode", transfer_engine="cuda_ipc")
+    assert WorkerConfig(role="decode", transfer_engine="tcp", device="cuda").device == "cuda"   # staged

@@ -1,0 +1,223 @@
+"""The engine and the cuda_ipc engine on a GPU, each beside its reference in the same run.
+
+    python -m bench.gpu [--tokenizer DIR] [--batches 1,8,32,128] [--weights fp32,bf16]
+                        [--no-compiled] [--no-ipc] [--quick] [--json PATH]
+
+- **Engine**: a checkpoint of SmolLM2-135M's shapes (30 layers, 576 wide, 9 query heads and 3 KV
+  heads of 64, random weights written by transformers: throughput depends on shapes, not values;
+  the GPU machine has no GGUF) against transformers on the same GPU and dtype. Prefill: a batch of
+  B prompts of 128 tokens in one pass; decode: B sequences after such prompts, 32 steps of one
+  token each. Tokens per second, the engine eager and compiled (``torch.compile``: its CUDA
+  graphs where it takes them), transformers as ``model(...)`` with its KV cache (no ``generate``).
+- **cuda_ipc**: a receiver process with a GPU pool (`kvtransfer.cuda_ipc`) and this process
+  writing a KV-shaped plan into it (a Llama-3-8B-shaped layer set, 4096 tokens: 1 MiB per write),
+  GB/s of KV moved from the first post to the last immediate counted, against the copy ceiling:
+  a torch device-to-device copy of the same bytes in this process.
+
+Runs on the CPU too (``--device cpu``, small sizes: a smoke test of this script), never for
+figures.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import arg_parser, write_json
+from engine.attention import ForwardBatch, SeqChunk
+from engine.config import CacheConfig, kv_cache_dtype
+from engine.kv_cache import KVPool
+from engine.loader import load_model
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
+               tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+PROMPT, STEPS, BS = 128, 32, 16
+SECRET = b"bench-gpu-secret-0123456789abcdef"
+
+
+def build_shapes_checkpoint(out: Path, tokenizer: Path, layers: int) -> Path:
+    """A random checkpoint of SmolLM2's shapes (``layers`` of them) with its tokenizer files."""
+    import transformers
+
+    config = transformers.LlamaConfig(**{**SMOLLM2, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: str, reps: int) -> float:
+    """Median seconds of ``fn`` (synchronized) over ``reps`` runs after one warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of ``batch`` sequences of `PROMPT` tokens (module doc)."""
+    device = str(loaded.model.device)
+    per_seq = -(-(PROMPT + steps + 2) // BS)
+    pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=batch * per_seq, dtype=kv_cache_dtype(weights)),
+                  device=loaded.model.device)
+    ids = torch.randint(100, 40000, (PROMPT,)).tolist()
+    tables = [pool.allocator.allocate(per_seq) for _ in range(batch)]
+    prefill = ForwardBatch.build([SeqChunk(ids, 0, t) for t in tables], BS)
+    prefill_s = _time(lambda: loaded.model.forward(prefill, pool), device, reps)
+    steps_batches = [ForwardBatch.build([SeqChunk([ids[0]], PROMPT + s, t) for t in tables], BS) for s in range(steps)]
+    decode_s = _time(lambda: [loaded.model.forward(b, pool) for b in steps_batches], device, max(1, reps // 2))
+    return batch * PROMPT / prefill_s, batch * steps / decode_s
+
+
+@torch.inference_mode()
+def hf_rates(hf, batch: int, reps: int, steps: int, device: str) -> tuple[float, float]:
+    ids = torch.randint(100, 40000, (batch, PROMPT), device=device)
+    prefill_s = _time(lambda: hf(ids, use_cache=True, logits_to_keep=1), device, reps)
+
+    def decode():
+        out = hf(ids, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = hf(token, past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    decode()
+    return batch * PROMPT / prefill_s, batch * steps / min(decode() for _ in range(max(1, reps // 2)))
+
+
+def _ipc_receiver(conn, nbytes: int) -> None:
+    from kvtransfer import CompletionCounter, EngineConfig, create_engine
+
+    counter = CompletionCounter(8)
+    engine = create_engine("cuda_ipc", EngineConfig(secret=SECRET), arrivals=counter)
+    pool = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    engine.register_memory(pool)
+    conn.send(engine.describe().to_bytes())
+    while (cmd := conn.recv()) is not None:
+        slot, gen = counter.acquire(60.0)
+        conn.send((slot, gen))
+        counter.expect(slot, gen, cmd)
+        counter.wait(slot, gen, 120.0)
+        counter.release(slot, gen)
+        conn.send("done")
+    engine.close()
+
+
+def ipc_rate(tokens: int, reps: int) -> dict:
+    """cuda_ipc GB/s on a KV-shaped plan beside the device-to-device copy ceiling (module doc)."""
+    from kvtransfer import EndpointInfo, EngineConfig, KVLayout, create_engine, pack_immediate, plan_writes, to_write_ops
+
+    layout = KVLayout(32, -(-tokens // BS), BS, 8, 128, 2)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_receiver, args=(child, layout.total_bytes), name="bench-ipc-receiver", daemon=True)
+    proc.start()
+    try:
+        info = EndpointInfo.from_bytes(parent.recv())
+        src = torch.randint(0, 255, (layout.total_bytes,), dtype=torch.uint8, device="cuda")
+        engine = create_engine("cuda_ipc", EngineConfig(secret=SECRET))
+        local = engine.register_memory(src)
+        peer = engine.connect(info)
+        ids = list(range(layout.num_blocks))
+        plan = plan_writes(layout, layout, ids, ids, 1 << 22)
+        times = []
+        for _ in range(reps + 1):
+            parent.send(len(plan))
+            slot, gen = parent.recv()
+            ops = to_write_ops(plan, local, info.regions[0].key, pack_immediate(slot, gen))
+            t0 = time.perf_counter()
+            engine.wait(engine.post_writes(peer, ops), 120)
+            assert parent.recv() == "done"
+            times.append(time.perf_counter() - t0)
+        engine.close()
+        dst = torch.empty_like(src)
+        copy_s = _time(lambda: dst.copy_(src), "cuda", reps)
+        nbytes = sum(w.length for w in plan)
+        ipc_s = sorted(times[1:])[len(times[1:]) // 2]
+        return {"bytes": nbytes, "writes": len(plan), "bytes_per_write": nbytes // len(plan),
+                "ipc_gb_s": nbytes / ipc_s / 1e9, "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / ipc_s}
+    finally:
+        parent.send(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def main(argv=None) -> dict:
+    ap = arg_parser("bench.gpu", __doc__)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokenizer", default=os.environ.get("PDSERVE_TOKENIZER_DIR"),
+                    help="SmolLM2's tokenizer files (deploy.gpucheck prepare writes them)")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--weights", default="fp32,bf16")
+    ap.add_argument("--no-compiled", action="store_true")
+    ap.add_argument("--no-ipc", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="2 layers, 4 steps: a smoke test")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    import transformers
+
+    if not args.tokenizer:
+        raise SystemExit("--tokenizer DIR (or PDSERVE_TOKENIZER_DIR) is needed: SmolLM2's tokenizer files")
+    reps, steps, layers = (2, 4, 2) if args.quick else (5, STEPS, SMOLLM2["num_hidden_layers"])
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_shapes_checkpoint(Path(tmp) / "smollm2-shapes", Path(args.tokenizer), layers)
+        for weights in args.weights.split(","):
+            dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
+            theirs = {b: hf_rates(hf, b, reps, steps, args.device) for b in batches}
+            del hf
+            for compiled in (False,) if args.no_compiled else (False, True):
+                loaded = load_model(path, weights=weights, device=args.device, compiled=compiled)
+                for b in batches:
+                    ours = engine_rates(loaded, weights, b, reps, steps)
+                    for i, phase in enumerate(("prefill", "decode")):
+                        rows.append({"weights": weights, "compiled": compiled, "phase": phase, "batch": b,
+                                     "pdserve_tok_s": ours[i], "transformers_tok_s": theirs[b][i],
+                                     "ratio": ours[i] / theirs[b][i]})
+                del loaded
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"\nengine vs transformers on {name} (SmolLM2-135M shapes, {layers} layers; prompts of {PROMPT})")
+    print("| weights | step | phase | batch | pdserve tok/s | transformers tok/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['weights']} | {'compiled' if r['compiled'] else 'eager'} | {r['phase']} | {r['batch']} | "
+              f"{r['pdserve_tok_s']:.0f} | {r['transformers_tok_s']:.0f} | {r['ratio']:.2f}x |")
+    result = {"device": name, "rows": rows}
+    if not args.no_ipc and args.device.startswith("cuda"):
+        result["cuda_ipc"] = ipc = ipc_rate(512 if args.quick else 4096, reps)
+        print(f"\ncuda_ipc: {ipc['writes']} writes of {ipc['bytes_per_write'] / 2**20:.2f} MiB: "
+              f"{ipc['ipc_gb_s']:.1f} GB/s vs a device copy of the same bytes {ipc['copy_gb_s']:.1f} GB/s "
+              f"({ipc['ratio']:.2f}x the ceiling)")
+    if args.json:
+        write_json(args.json, result, args)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""``cuda_ipc``: writes between GPU pools on one host, through CUDA IPC (NIXL's cuda_ipc backend is
+the anchor; the CUDA runtime's "Interprocess Communication" API, through cupy).
+
+Receiver: ``register_memory(cuda_tensor)`` exports the region as the CUDA IPC memory handle of the
+allocation holding it (``cudaIpcGetMemHandle`` on its base, `kvtransfer.verbs.gpu.allocation_range`:
+a handle names a whole allocation) with the region's offset in it, its length, key and device
+(`IpcExport`). A writer on this host connects to the engine's abstract Unix socket and
+authenticates with the cluster secret (tcp's handshake); only then does it receive the export table
+(`encode_exports`) and open each allocation once (``cudaIpcOpenMemHandle``, lazy peer access).
+
+Writer: a batch's writes become device-to-device copies (`copy_plan`: runs contiguous on both sides
+merged) issued with ``cudaMemcpyAsync`` on the stream thread's own CUDA stream; an event recorded
+after them is synchronized, and only then does a NOTIFY frame carry the batch's descriptors to the
+receiver, which checks them against its exports again and delivers the immediates, counted as
+every engine's are. An immediate therefore means the bytes are in the reader's pool. Keys and
+bounds are checked by the writer before any copy (as shm's: no NIC checks them).
+
+Closing: a stream's thread waits for the copies it issued before it sends their NOTIFY, so a
+close that joins the threads returns with no copy in flight; the peer's allocations are closed
+(``cudaIpcCloseMemHandle``) when the writer disconnects.
+
+Needs cupy and a CUDA device (`EngineUnavailableError` otherwise). The export table and the copy
+plan are plain functions, tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer import auth
+from kvtransfer.base import ArrivalHandler, Memory, WriteOp
+from kvtransfer.config import EngineConfig
+from kvtransfer.connection import InboundConnection, OutboundStream, Shared
+from kvtransfer.endpoint import EndpointInfo, MemoryRegion, TransportAddress, TransportKind, local_host_id
+from kvtransfer.errors import AuthError, EngineUnavailableError, RemoteAccessError, TransferError
+from kvtransfer.frame import T_NOTIFY, CheckedDescs, group_frames, recv_exact
+from kvtransfer.memory import MemoryTable
+from kvtransfer.software import OutboundPeer, SoftwareEngine
+
+IPC_HANDLE_BYTES = 64   # sizeof(cudaIpcMemHandle_t)
+_LEN = struct.Struct("!I")
+_MAX_TABLE = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class IpcExport:
+    """One exported region: ``handle`` the allocation's CUDA IPC handle, ``offset`` the region's
+    first byte in that allocation, ``length`` bytes, ``device`` the CUDA device index."""
+
+    key: int
+    handle: bytes
+    offset: int
+    length: int
+    device: int
+
+
+def encode_exports(exports: Sequence[IpcExport]) -> bytes:
+    """The export table as sent to an authenticated writer: a 4-byte length, then JSON."""
+    body = json.dumps([[e.key, base64.b64encode(e.handle).decode(), e.offset, e.length, e.device]
+                       for e in exports]).encode()
+    return _LEN.pack(len(body)) + body
+
+
+def decode_exports(body: bytes) -> list[IpcExport]:
+    """Parse an export table's JSON (after its length). Raises TransferError when malformed: a
+    handle that is not `IPC_HANDLE_BYTES` long, a negative offset, a non-positive length."""
+    try:
+        rows = json.loads(body)
+        exports = [IpcExport(int(k), base64.b64decode(h, validate=True), int(o), int(n), int(d))
+                   for k, h, o, n, d in rows]
+    except (ValueError, TypeError) as exc:
+        raise TransferError(f"malformed cuda_ipc export table: {exc}") from exc
+    for e in exports:
+        if len(e.handle) != IPC_HANDLE_BYTES or e.offset < 0 or e.length <= 0 or e.device < 0:
+            raise TransferError(f"malformed cuda_ipc export of key {e.key:#x}")
+    return exports
+
+
+def copy_plan(ops: Sequence[WriteOp], local_ptr: Callable[[int], int],
+              remote: dict[int, tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(dst address, src address, bytes)`` device copies for ``ops``, in order: consecutive
+    writes contiguous on both sides merge into one copy. ``local_ptr(key)`` is a local region's
+    device address; ``remote[key]`` a peer region's ``(address, length)``. The ranges were checked
+    (`CudaIpcEngine._check_remote`, `SoftwareEngine._check_local`)."""
+    out: list[list[int]] = []
+    for op in ops:
+        dst = remote[op.remote_key][0] + op.remote_offset
+        src = local_ptr(op.local.key) + op.local_offset
+        last = out[-1] if out else None
+        if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src:
+            last[2] += op.length
+        else:
+            out.append([dst, src, op.length])
+    return [tuple(c) for c in out]
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise EngineUnavailableError(f"cuda_ipc needs cupy: {exc}") from exc
+    if not torch.cuda.is_available():
+        raise EngineUnavailableError("cuda_ipc needs a CUDA device; torch sees none")
+    return cupy
+
+
+class CudaIpcEngine(SoftwareEngine):
+    """The cuda_ipc engine (module doc). Registers CUDA tensors only; listens from construction
+    until ``close()``. ``shared``: an `AutoEngine`'s tables, so keys and immediates are its own."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, config: EngineConfig, arrivals: ArrivalHandler | None = None,
+                 shared: Shared | None = None) -> None:
+        self._cp = _cupy()
+        super().__init__(config, arrivals, shared)
+        self._exports = MemoryTable()   # device registrations, each with its IpcExport
+        self._opened: dict[str, list[int]] = {}   # peer endpoint id -> opened allocation bases
+        self._remote: dict[str, dict[int, tuple[int, int]]] = {}
+        self._streams = threading.local()
+        self._path = f"@pdserve-kv-ipc-{self._s.endpoint_id}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self._path[1:])
+        sock.listen(128)
+        self._start_listener(sock)
+
+    @staticmethod
+    def reachable(info: EndpointInfo) -> bool:
+        """True when ``info`` offers cuda_ipc and runs on this host."""
+        return info.transport(TransportKind.CUDA_IPC) is not None and info.host_id == local_host_id()
+
+    def _transport(self) -> TransportAddress:
+        return TransportAddress(TransportKind.CUDA_IPC, path=self._path)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def register_memory(self, memory: Memory, *, shared: object | None = None, stage: bool = False) -> MemoryRegion:
+        """Export a contiguous CUDA tensor (module doc). Raises TransferError for other memory
+        or when the driver refuses the export."""
+        self._check_open()
+        return self.export(memory).region
+
+    def export(self, tensor: torch.Tensor, key: int | None = None):
+        """Export ``tensor`` under ``key`` (an `AutoEngine` passes its staged registration's key,
+        so every route names the pool alike) or a new one; its `Registration`."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
+            raise TransferError("cuda_ipc registers CUDA tensors only")
+        from kvtransfer.verbs.gpu import allocation_range
+
+        base, _ = allocation_range(tensor)
+        handle = bytes(self._cp.cuda.runtime.ipcGetMemHandle(base))
+        export = IpcExport(0, handle, tensor.data_ptr() - base, tensor.numel() * tensor.element_size(),
+                           tensor.device.index or 0)   # its key: the registration's (`_serve_connection`)
+        return self._exports.register_device(tensor, export, key)
+
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        self._exports.deregister(region.key)
+
+    def describe(self) -> EndpointInfo:
+        return EndpointInfo(self._s.endpoint_id, local_host_id(), self._exports.regions(), (self._transport(),))
+
+    def _local_table(self) -> MemoryTable:
+        return self._exports
+
+    # -- receiver -------------------------------------------------------------------------------
+    def _serve_connection(self, sock: socket.socket) -> InboundConnection:
+        table = self._exports
+        send = lambda s: s.sendall(encode_exports(  # noqa: E731
+            [dataclasses.replace(r.shared, key=r.region.key) for r in table.registrations()]))
+        return _IpcInbound(self._s, sock, after_auth=send, table=table)
+
+    # -- writer ---------------------------------------------------------------------------------
+    def _open_peer(self, info: EndpointInfo, tag: str) -> list[OutboundStream]:
+        if not self.reachable(info):
+            raise TransferError(f"peer {info.endpoint_id} is not reachable over cuda_ipc from this host")
+        addr = info.transport(TransportKind.CUDA_IPC)
+        cfg = self._s.config
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(cfg.connect_timeout_s)
+            sock.connect("\0" + addr.path[1:])
+            auth.client_handshake(sock, cfg.secret, self._s.endpoint_id)
+            exports = _recv_table(sock)
+            sock.settimeout(None)
+        except (AuthError, TransferError):
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"cannot connect to cuda_ipc peer {addr.path}: {exc}") from exc
+        try:
+            remote = self._open_exports(info.endpoint_id, exports)
+        except BaseException:
+            sock.close()
+            raise
+        send = lambda s, batches: self._send_batches(remote, s, batches)  # noqa: E731
+        return [OutboundStream(sock, f"kv-ipc-{tag}", self._s, tag, self._threads, send)]
+
+    def _open_exports(self, endpoint_id: str, exports: list[IpcExport]) -> dict[int, tuple[int, int]]:
+        runtime = self._cp.cuda.runtime
+        bases: dict[bytes, int] = {}
+        remote = {}
+        try:
+            for e in exports:
+                if e.handle not in bases:
+                    with self._cp.cuda.Device(e.device):
+                        bases[e.handle] = int(runtime.ipcOpenMemHandle(e.handle, runtime.cudaIpcMemLazyEnablePeerAccess))
+                remote[e.key] = (bases[e.handle] + e.offset, e.length)
+        except self._cp.cuda.runtime.CUDARuntimeError as exc:
+            for base in bases.values():
+                runtime.ipcCloseMemHandle(base)
+            raise TransferError(f"cannot open the peer's CUDA IPC handles: {exc}") from exc
+        self._opened[endpoint_id] = list(bases.values())
+        self._remote[endpoint_id] = remote
+        return remote
+
+    def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
+        remote = self._remote.get(peer.info.endpoint_id, {})
+        for op in ops:
+            region = remote.get(op.remote_key)
+            if region is None:
+                return RemoteAccessError(f"unknown remote memory key {op.remote_key:#x}; batch rejected")
+            if op.remote_offset < 0 or op.length <= 0 or op.remote_offset + op.length > region[1]:
+                return RemoteAccessError(f"range [{op.remote_offset}, {op.remote_offset + op.length}) outside "
+                                         f"remote region of {region[1]} bytes; batch rejected")
+        return None
+
+    def _send_batches(self, remote: dict[int, tuple[int, int]], sock: socket.socket,
+                      batches: list[tuple[Sequence[WriteOp], int]]) -> None:
+        cp, runtime = self._cp, self._cp.cuda.runtime
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = cp.cuda.Stream(non_blocking=True)
+        ops = [op for batch, _ in batches for op in batch]
+        for dst, src, n in copy_plan(ops, lambda key: self._exports.get(key).region.addr, remote):
+            runtime.memcpyAsync(dst, src, n, runtime.memcpyDeviceToDevice, stream.ptr)
+        done = cp.cuda.Event(block=False, disable_timing=True)
+        done.record(stream)
+        done.synchronize()   # the bytes are in the peer's pool before its immediates are sent
+        sock.sendall(b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches)))
+
+    def disconnect(self, peer) -> None:  # type: ignore[override]
+        with self._lock:
+            state = self._peers.get(peer)
+        super().disconnect(peer)
+        if state is not None:
+            self._remote.pop(state.info.endpoint_id, None)
+            for base in self._opened.pop(state.info.endpoint_id, []):
+                self._cp.cuda.runtime.ipcCloseMemHandle(base)
+
+
+def _recv_table(sock: socket.socket) -> list[IpcExport]:
+    head = memoryview(bytearray(_LEN.size))
+    if not recv_exact(sock, head):
+        raise TransferError("cuda_ipc peer sent no export table")
+    (length,) = _LEN.unpack(head)
+    if length > _MAX_TABLE:
+        raise TransferError(f"cuda_ipc export table of {length} bytes")
+    body = memoryview(bytearray(length))
+    if not recv_exact(sock, body):
+        raise TransferError("cuda_ipc peer closed during its export table")
+    return decode_exports(bytes(body))
+
+
+class _IpcInbound(InboundConnection):
+    """The cuda_ipc receiver: NOTIFY frames carry no payload (the writer's copies already put the
+    bytes in the exported allocation, and completed), so nothing is left to place."""
+
+    frame_type = T_NOTIFY
+    need_shared = True
+
+    def _place(self, checked: CheckedDescs) -> None:
+        pass

@@ -1,0 +1,144 @@
+"""The engine and a disaggregated pair on a GPU (cuda marker: skipped with the reason without one,
+a failure under ``PDSERVE_REQUIRE=cuda``; ``python -m deploy.gpucheck`` runs this tier there).
+
+Tiny checkpoints written by transformers as in `tests.integration.test_model_families` (weights
+scaled so a wrong rope, norm or bias shows): Llama 3 (llama3 rope scaling, biases), Qwen2, and a
+two-layer checkpoint of SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, 576 wide, tied
+embeddings). On the GPU, against transformers on the same GPU:
+
+- float32 (TF32 off on both sides): logits within 1e-4 at every position of a 330-token prompt
+  run in two chunks over the paged pool, and the 32 greedy tokens equal;
+- bfloat16 (weights and pool): logits within 3% of their scale (the largest |logit|) at every
+  prompt position, and the first 8 greedy tokens equal: bf16's 8-bit mantissa reorders sums
+  differently in each implementation, so later tokens may part where two logits nearly tie.
+
+Then a prefill and a decode worker (``--device cuda``, two processes on the one GPU) over each
+transfer engine that moves GPU pools on one host (cuda_ipc; tcp and shm staged through host
+mirrors) give the single-process engine's greedy tokens on that GPU, every block back in both
+pools.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import ForwardBatch, SeqChunk
+from engine.config import CacheConfig, kv_cache_dtype
+from engine.kv_cache import KVPool
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
+from tests.integration.test_model_families import (BLOCK, FAMILIES, NEW_TOKENS, PROMPT_TOKENS, SPLIT, build_checkpoint,
+                                                   prompt, save_tokenizer)
+from tests.integration.worker_pair import broker, run_request, start_worker, stop, wait_ready
+from tests.require import unavailable
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
+pytestmark = [pytest.mark.integration, pytest.mark.cuda, pytest.mark.timeout(900)]
+
+SMOLLM2_SHAPES = ("LlamaConfig", {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                                  "num_key_value_heads": 3, "tie_word_embeddings": True},
+                  {"rope_type": "default", "rope_theta": 100000.0})
+CHECKPOINTS = {"llama3": FAMILIES["llama3"], "qwen2": FAMILIES["qwen2"], "smollm2-shapes": SMOLLM2_SHAPES}
+BF16_GREEDY = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu():
+    if not torch.cuda.is_available():
+        unavailable("cuda", "no CUDA device: the engine's CUDA path cannot run here")
+    torch.backends.cuda.matmul.allow_tf32 = False   # float32 means float32 on both sides
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer: from ``PDSERVE_TOKENIZER_DIR`` where set (the GPU machine has no
+    GGUF: `deploy.gpucheck` carries the files), else saved from the GGUF."""
+    given = os.environ.get("PDSERVE_TOKENIZER_DIR")
+    out = tmp_path_factory.mktemp("tokenizer")
+    if given:
+        for f in Path(given).iterdir():
+            shutil.copy(f, out / f.name)
+        return out
+    return save_tokenizer(out)
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory, tokenizer_dir) -> Path:
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), tokenizer_dir,
+                            CHECKPOINTS[request.param])
+
+
+@torch.inference_mode()
+def reference(path: Path, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+    """transformers on the GPU: the prompt's logits and the greedy continuation."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).cuda().eval()
+    ids = torch.tensor([prompt()], device="cuda")
+    logits = model(ids).logits[0].float()
+    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, PROMPT_TOKENS:].tolist()
+    return logits.cpu(), greedy
+
+
+@torch.inference_mode()
+def engine(path: Path, weights: str) -> tuple[torch.Tensor, list[int]]:
+    """The engine on the GPU: the prompt's logits in two chunks over the paged pool, then one
+    greedy token per pass."""
+    loaded = load_model(path, weights=weights, device="cuda")
+    ids, total = prompt(), PROMPT_TOKENS + NEW_TOKENS
+    pool = KVPool(loaded.config, CacheConfig(block_size=BLOCK, num_blocks=-(-total // BLOCK) + 1,
+                                             dtype=kv_cache_dtype(weights)), device=loaded.model.device)
+    table = pool.allocator.allocate(-(-total // BLOCK))
+    rows = [loaded.model.forward(ForwardBatch.build([SeqChunk(ids[a:b], a, table, prompt_logits=True)], BLOCK), pool)
+            for a, b in ((0, SPLIT), (SPLIT, PROMPT_TOKENS))]
+    logits = torch.cat(rows).float()
+    tokens, pos = [int(logits[-1].argmax())], PROMPT_TOKENS
+    while len(tokens) < NEW_TOKENS:
+        out = loaded.model.forward(ForwardBatch.build([SeqChunk([tokens[-1]], pos, table)], BLOCK), pool)
+        tokens.append(int(out[-1].argmax()))
+        pos += 1
+    return logits.cpu(), tokens
+
+
+def test_fp32_on_the_gpu_equals_transformers(checkpoint):
+    want_logits, want_tokens = reference(checkpoint, torch.float32)
+    logits, tokens = engine(checkpoint, "fp32")
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    assert tokens == want_tokens
+
+
+def test_bf16_on_the_gpu_is_within_its_tolerance(checkpoint):
+    want_logits, want_tokens = reference(checkpoint, torch.bfloat16)
+    logits, tokens = engine(checkpoint, "bf16")
+    scale = want_logits.abs().max().item()
+    assert (logits - want_logits).abs().max().item() < 3e-2 * scale
+    assert tokens[:BF16_GREEDY] == want_tokens[:BF16_GREEDY]
+
+
+@pytest.mark.parametrize("transfer", ["cuda_ipc", "tcp", "shm", "auto"])
+def test_two_gpu_workers_serve_the_engines_tokens(tmp_path, tokenizer_dir, transfer):
+    path = build_checkpoint("qwen2", tmp_path / "qwen2", tokenizer_dir, CHECKPOINTS["qwen2"])
+    _, want = engine(path, "fp32")
+    flags = ("--model", str(path), "--weights", "fp32", "--device", "cuda", "--transfer-engine", transfer)
+    dproc, daddr = start_worker("decode", *flags)
+    pproc, paddr = start_worker("prefill", *flags)
+    try:
+        decode, dch = wait_ready(daddr, pb_grpc.DecodeStub, dproc)
+        prefill, pch = wait_ready(paddr, pb_grpc.PrefillStub, pproc)
+        broker(prefill, decode)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        assert run_request(prefill, decode, f"gpu-{transfer}", prompt(), params) == want
+        d, p = decode.Stats(pb.StatsRequest()), prefill.Stats(pb.StatsRequest())
+        assert d.load.free_blocks == d.load.total_blocks and p.load.free_blocks == p.load.total_blocks
+        dch.close()
+        pch.close()
+    finally:
+        codes = [stop(pproc), stop(dproc)]
+    assert codes == [0, 0]
