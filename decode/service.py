@@ -57,6 +57,8 @@ class DecodeService(pb_grpc.DecodeServicer):
         if request.peer_endpoint.description:
             info = GroupEndpoint.from_bytes(request.peer_endpoint.description)   # KVTransferError
             self._peers[request.peer_worker_id] = tuple(r.endpoint_id for r in info.ranks)
+            if len(info.ranks) > 1:   # a tensor-parallel writer: its ranks stand for each other
+                self.worker.add_writer_group(self._peers[request.peer_worker_id])
         return pb.ConnectResponse(endpoint=self._endpoint())
 
     @unary

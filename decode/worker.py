@@ -114,6 +114,7 @@ class DecodeWorker:
         self._waiting_kv: dict[str, Reservation] = {}
         # (expiry, blocks, writers that may still write into them)
         self._quarantine: list[tuple[float, list[BlockId], set[str]]] = []
+        self._groups: dict[str, frozenset[str]] = {}   # writer endpoint id -> its TP group's ids
         self._draining = False
         self._stop = threading.Event()
         self.metrics = {"transfers_completed": 0, "transfers_failed": 0, "reservations_expired": 0,
@@ -322,11 +323,16 @@ class DecodeWorker:
         t = r.require_transfer()   # only a reservation waiting for its KV fails
         r.move(ResState.FAILED)
         self._waiting_kv.pop(r.request_id, None)
-        writers = set(self.counter.writers(t.slot, t.generation))
-        # Every writer that touched the blocks may already have lost its connection (a killed
-        # prefill worker is seen by the data plane before the router aborts): nothing can land.
+        touched = set(self.counter.writers(t.slot, t.generation))
+        # A writer that touched the blocks stands for its whole tensor-parallel group: a rank of it
+        # that has not written yet may still (`add_writer_group`).
+        writers = set().union(*(self._groups.get(w, {w}) for w in touched))
+        grouped = len(writers) > len(touched)
+        # Every such writer may already have lost its connection (a killed prefill worker is seen
+        # by the data plane before the router aborts): nothing can land.
         all_lost = bool(writers) and writers <= self.arrivals.lost
-        stopped = writer_done or r.writer_stopped or isinstance(error, PeerLostError) or all_lost
+        stopped = (writer_done or r.writer_stopped or all_lost
+                   or (isinstance(error, PeerLostError) and not grouped))
         self.counter.release(t.slot, t.generation, 0.0 if stopped else self.res.config.quarantine_s)
         self.metrics["transfers_failed"] += 1
         held, written = r.blocks[:r.num_held_blocks], r.blocks[r.num_held_blocks:]
@@ -400,6 +406,14 @@ class DecodeWorker:
             else:
                 keep.append((until, blocks, writers))
         self._quarantine = keep
+
+    def add_writer_group(self, endpoint_ids) -> None:
+        """A prefill worker's ranks' endpoint ids (Connect): a failed transfer that any of them
+        touched frees its blocks only once every one of them is gone (or the quarantine ends)."""
+        group = frozenset(endpoint_ids)
+        with self._state:
+            for e in group:
+                self._groups[e] = group
 
     def _writer_lost(self, source: str) -> None:
         """A writer's connection is gone: it can no longer write into the blocks it touched."""

@@ -161,3 +161,51 @@ def check_pair(prefill: PrefillWorker, decode: DecodeWorker, dst: str, reference
         time.sleep(0.05)
     assert prefill.res.pool.allocator.num_free == prefill.res.pool.num_blocks
     assert decode.res.pool.allocator.num_free == decode.res.pool.num_blocks
+
+
+def test_a_lost_rank_frees_no_block_while_a_rank_of_its_group_lives(smollm):
+    """A decode worker's failed transfer touched by one rank of a TP-2 writer group: when that
+    rank is killed (kill -9: its connection drops) its group mate, alive and connected, could
+    still write, so the blocks stay quarantined until the quarantine ends, not freed at the loss
+    (`DecodeWorker.add_writer_group`). The ranks here are a looping writer process and an engine
+    of this process: two endpoints of one group as the decode worker learns it at Connect."""
+    from kvtransfer import EndpointInfo, create_engine
+    from kvtransfer_helpers import engine_config, spawn_writer
+
+    quarantine = 6.0
+    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
+    res = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=64, quarantine_s=quarantine,
+                                       prefill_timeout_s=quarantine / 2, secret=engine_config().secret), arrivals, smollm)
+    decode = DecodeWorker(res, arrivals)
+    mate = create_engine("tcp", engine_config())
+    try:
+        r = decode.reserve("victim", 100, 4)
+        t = r.require_transfer()
+        ids = list(r.blocks)
+        proc, pipe, writer_id = spawn_writer("tcp", res.endpoint().to_bytes(), 64, (ids, ids, 64, t.slot, t.generation))
+        mate.connect(EndpointInfo.from_bytes(res.endpoint().to_bytes()))   # connected, writes nothing yet
+        decode.add_writer_group([writer_id, mate.describe().endpoint_id])
+        assert pipe.poll(60) and pipe.recv() == "started"
+        deadline = time.monotonic() + 10
+        while writer_id not in decode.counter.writers(t.slot, t.generation) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decode.abort("victim")   # the writer is not known to have stopped: quarantined
+        free = res.pool.allocator.num_free
+        assert free == res.pool.num_blocks - len(ids)
+        started = time.monotonic()
+        proc.kill()
+        proc.join(30)
+        deadline = time.monotonic() + 2
+        while writer_id not in arrivals.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert writer_id in arrivals.lost
+        time.sleep(1.0)
+        assert res.pool.allocator.num_free == free   # its group mate lives: still quarantined
+        while res.pool.allocator.num_free < res.pool.num_blocks and time.monotonic() < started + quarantine + 5:
+            time.sleep(0.1)
+        assert res.pool.allocator.num_free == res.pool.num_blocks
+        assert time.monotonic() - started > quarantine - 2   # freed by the quarantine's end
+    finally:
+        mate.close()
+        decode.close()
+        res.close()
