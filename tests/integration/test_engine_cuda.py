@@ -142,3 +142,34 @@ def test_two_gpu_workers_serve_the_engines_tokens(tmp_path, tokenizer_dir, trans
     finally:
         codes = [stop(pproc), stop(dproc)]
     assert codes == [0, 0]
+
+
+def test_pdserve_up_on_the_gpu_answers_as_the_engine(tmp_path, tokenizer_dir):
+    """``pdserve up --device cuda`` (the launcher: router, a prefill and a decode worker as
+    processes on the one GPU, ``auto``: cuda_ipc between their pools) answers greedy prompts with
+    the single-process engine's text on that GPU."""
+    import httpx
+
+    from deploy.launcher import Cluster, LauncherConfig
+    from engine.loader import build_generator
+
+    path = build_checkpoint("qwen2", tmp_path / "qwen2", tokenizer_dir, CHECKPOINTS["qwen2"])
+    loaded = load_model(path, weights="fp32", device="cuda")
+    gen = build_generator(loaded, CacheConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = {p: gen.generate([loaded.tokenizer.encode(p)], params)[0].text for p in prompts}
+    del gen, loaded
+    cluster = Cluster(LauncherConfig(model=str(path), weights="fp32", device="cuda", http_port=0, registry_port=0,
+                                     num_blocks=256, log_dir=str(tmp_path / "logs"), startup_timeout_s=300)).start()
+    try:
+        model = httpx.get(f"{cluster.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for p in prompts:
+            r = httpx.post(f"{cluster.url}/v1/completions", timeout=120,
+                           json={"model": model, "prompt": p, "max_tokens": 16, "temperature": 0,
+                                 "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want[p], p
+    finally:
+        cluster.stop()
+    assert not [c.name for c in cluster.children if c.alive()]
