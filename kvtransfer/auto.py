@@ -88,15 +88,18 @@ class AutoEngine(TransferEngine):
     def primary(self) -> TransferEngine:
         return self._primary
 
-    def register_memory(self, memory: Memory, *, shared: object | None = None) -> MemoryRegion:
-        """The primary's registration; a CUDA tensor with a tcp primary is staged through a
-        host mirror in shared memory (`kvtransfer.staging`), so same-host peers still use shm."""
-        if isinstance(memory, torch.Tensor) and memory.is_cuda:
-            if self._shm is not None and self._primary.name == "tcp":
-                region = self._shm.register_memory(memory)   # the table is shared: tcp sees it too
+    def register_memory(self, memory: Memory, *, shared: object | None = None, stage: bool = False) -> MemoryRegion:
+        """The primary's registration; a CUDA tensor (any tensor with ``stage``) with a tcp primary
+        is staged through a host mirror in shared memory (`kvtransfer.staging`), so same-host
+        peers still use shm, and a CUDA one is exported over cuda_ipc too."""
+        if isinstance(memory, torch.Tensor) and (memory.is_cuda or stage):
+            if self._primary.name == "tcp":   # the table is shared: tcp sees shm's registration
+                engine = self._shm if self._shm is not None else self._primary
+                region = engine.register_memory(memory, stage=True)
             else:
                 region = self._primary.register_memory(memory, shared=shared)
-            self._export_ipc(memory, region.key)
+            if memory.is_cuda:
+                self._export_ipc(memory, region.key)
             return region
         return self._primary.register_memory(memory, shared=shared)
 

@@ -55,6 +55,7 @@ class MemoryTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[int, Registration] = {}
+        self.has_staged = False   # a staged registration was made: writers stage their sources
 
     def register(self, memory: torch.Tensor | tuple[int, int], shared: object | None = None,
                  key: int | None = None, home: torch.Tensor | None = None) -> Registration:
@@ -68,6 +69,7 @@ class MemoryTable:
             key = self._free_key(key)
             reg = Registration(MemoryRegion(addr, length, key), view, owner, shared, home,
                                memory if home is not None else None)
+            self.has_staged = self.has_staged or home is not None
             self._by_key[key] = reg
             return reg
 

@@ -196,7 +196,8 @@ class ShmEngine(SoftwareEngine):
 
     def _send_batches(self, views: dict[int, memoryview], sock: socket.socket,
                       batches: list[tuple[Sequence[WriteOp], int]]) -> None:
-        self.stager().stage_out([op for ops, _ in batches for op in ops])   # device pools: to the mirror
+        if self._s.memory.has_staged:   # device pools: their sources to the mirror first
+            self.stager().stage_out([op for ops, _ in batches for op in ops])
         local = ViewCache(self._s.memory)
         frames = []
         key = remote_key = None

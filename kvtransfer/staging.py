@@ -99,8 +99,16 @@ class Stager:
     def stage_out(self, ops) -> None:
         """Writer: copy the source ranges of ``ops`` (`kvtransfer.base.WriteOp`) whose local
         registration is staged from the home into the mirror; returns once they are there."""
-        self._copy(copy_runs((op.local.key, op.local_offset, op.length) for op in ops
-                             if self._staged(op.local.key)), to_home=False)
+        staged: dict[int, bool] = {}   # one table lookup per key
+        ranges = []
+        for op in ops:
+            key = op.local.key
+            if key not in staged:
+                staged[key] = self._staged(key)
+            if staged[key]:
+                ranges.append((key, op.local_offset, op.length))
+        if ranges:
+            self._copy(copy_runs(ranges), to_home=False)
 
     def stage_in(self, descs: np.ndarray, status: np.ndarray) -> None:
         """Receiver: copy a frame's accepted ranges (`kvtransfer.frame.DESC_DTYPE` rows whose

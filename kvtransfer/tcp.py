@@ -102,7 +102,8 @@ class TcpEngine(SoftwareEngine):
             raise
 
     def _send_batches(self, sock: socket.socket, batches: list[tuple[Sequence[WriteOp], int]]) -> None:
-        self.stager().stage_out([op for ops, _ in batches for op in ops])   # device pools: to the mirror
+        if self._s.memory.has_staged:   # device pools: their sources to the mirror first
+            self.stager().stage_out([op for ops, _ in batches for op in ops])
         local = ViewCache(self._s.memory)
         parts: list = []
         for frame, ops in group_frames(T_WRITE, batches):

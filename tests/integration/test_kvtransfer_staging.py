@@ -43,7 +43,7 @@ def test_copy_runs_coalesces_touching_ranges_per_key():
         copy_runs([(1, 0, 0)])
 
 
-@pytest.mark.parametrize("engine", ["tcp", "shm"])
+@pytest.mark.parametrize("engine", ["tcp", "shm", "auto"])   # auto: shm on one host, a shared mirror
 def test_staged_homes_carry_the_bytes_before_the_immediate(engine):
     torch.manual_seed(0)
     src_home = torch.randn(LAYOUT.total_bytes // 4)
