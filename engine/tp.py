@@ -43,14 +43,18 @@ class TPGroup:
     Attributes:
         rank: this process's TP rank, 0 .. size - 1 (rank 0 drives the others).
         size: the TP size N.
-        group: the ``torch.distributed`` process group backend (a ``ProcessGroupGloo`` made by
-            `engine.tp_ranks.make_group`, called through its own methods: it is no registered
-            ``torch.distributed`` group, so one process may hold several); None when ``size`` is 1.
+        group: the ``torch.distributed`` process group backend of the model's collectives (made
+            by `engine.tp_ranks.make_group`: gloo on the CPU, NCCL on CUDA; called through its own
+            methods: it is no registered ``torch.distributed`` group, so one process may hold
+            several); None when ``size`` is 1.
+        commands: the gloo group rank 0's commands are broadcast over (host tensors), the same
+            as ``group`` on the CPU.
     """
 
     rank: int
     size: int
     group: object = None
+    commands: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (returned). Raises RuntimeError (torch.distributed)

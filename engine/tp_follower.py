@@ -33,7 +33,7 @@ from engine.errors import TensorParallelError
 from engine.kv_cache import KVPool
 from engine.loader import build_model, set_torch_threads
 from engine.tp import TPGroup, local_config
-from engine.tp_ranks import HOST, START_TIMEOUT_S, broadcast_object, make_group
+from engine.tp_ranks import HOST, START_TIMEOUT_S, broadcast_object, make_group, rank_device
 
 
 def _set_name(name: str) -> None:
@@ -93,14 +93,15 @@ def follow(spec: dict) -> None:
     set_torch_threads(spec["threads"])
     store = dist.TCPStore(HOST, spec["port"], size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     try:
-        model = build_model(spec["path"], spec["weights"], spec["device"], spec["gemv_copies"], TPGroup(rank, size))
+        model = build_model(spec["path"], spec["weights"], rank_device(spec["device"], rank), spec["gemv_copies"],
+                            TPGroup(rank, size))
     except Exception as e:   # noqa: BLE001 - reported to rank 0, which raises it
         store.set(f"loaded/{rank}", f"{type(e).__name__}: {e}")
         raise
     ext = _extension(spec, events.send)
     store.set(f"loaded/{rank}", "ok")
-    group = make_group(store, rank, size)
-    model.tp.group = group.group
+    group = make_group(store, rank, size, rank_device(spec["device"], rank))
+    model.tp.group, model.tp.commands = group.group, group.commands
     pool = None
     while True:
         name, arg = broadcast_object(group)

@@ -62,13 +62,30 @@ as long as the worker is idle. A rank that dies closes its sockets and fails the
 operations at once; this bounds only a rank that hangs."""
 
 
-def make_group(store, rank: int, size: int) -> TPGroup:
-    """The gloo process group of ``size`` ranks over ``store``, bound to 127.0.0.1."""
+def make_group(store, rank: int, size: int, device: str = "cpu") -> TPGroup:
+    """The process groups of ``size`` ranks over ``store``: gloo bound to 127.0.0.1 for the
+    commands, and for the model's collectives too on the CPU; NCCL for those on CUDA (each rank
+    on its own device, `rank_device`)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
     opts._timeout = IDLE_TIMEOUT
     pg = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, opts)
-    return TPGroup(rank, size, pg)
+    group = pg
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = IDLE_TIMEOUT
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("tp-nccl", store), rank, size, nccl_opts)
+    return TPGroup(rank, size, group, pg)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of TP rank ``rank`` when the model runs on ``device``: the CPU for every rank;
+    on CUDA, one GPU per rank from ``device``'s index on (``cuda:1`` at TP 2: ranks on 1 and 2)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return device
+    return f"cuda:{(dev.index or 0) + rank}"
 
 
 class TensorParallelModel:
@@ -205,7 +222,7 @@ class TensorParallelModel:
         _reap(self.ranks, timeout_s)
         for t in self._readers:
             t.join(timeout=5)
-        self.group.group = None
+        self.group.group = self.group.commands = None
 
     def _read_events(self, rank: int, conn: Connection) -> None:
         """Rank ``rank``'s events until its pipe closes (it exited): replies to `call`, the rest
@@ -291,15 +308,16 @@ def broadcast_object(group: TPGroup, obj=None):
     RuntimeError (torch.distributed) when a rank is gone."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    pg = group.commands if group.commands is not None else group.group
     if group.rank == 0:
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    group.group.broadcast([size], opts).wait()
+    pg.broadcast([size], opts).wait()
     if group.rank != 0:
         data = torch.empty(int(size), dtype=torch.uint8)
-    group.group.broadcast([data], opts).wait()
+    pg.broadcast([data], opts).wait()
     return obj if group.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
@@ -333,10 +351,10 @@ def start(path, weights: str, size: int, device: str, threads: int, gemv_copies:
                                                json.dumps({**spec, "rank": r, "events_fd": write})], pass_fds=(write,)))
             finally:
                 os.close(write)
-        local = build(path, weights, device, gemv_copies, TPGroup(0, size))
+        local = build(path, weights, rank_device(device, 0), gemv_copies, TPGroup(0, size))
         _wait_loaded(store, ranks)
-        group = make_group(store, 0, size)
-        local.tp.group = group.group
+        group = make_group(store, 0, size, rank_device(device, 0))
+        local.tp.group, local.tp.commands = group.group, group.commands
     except BaseException:
         _reap(ranks, 0.0)
         for conn in events:
