@@ -47,6 +47,7 @@ from kvtransfer.memory import MemoryTable
 from kvtransfer.software import OutboundPeer, SoftwareEngine
 
 IPC_HANDLE_BYTES = 64   # sizeof(cudaIpcMemHandle_t)
+IPC_LAZY_PEER_ACCESS = 1   # cudaIpcMemLazyEnablePeerAccess (CUDA runtime API, driver_types.h)
 _LEN = struct.Struct("!I")
 _MAX_TABLE = 1 << 20
 
@@ -212,7 +213,7 @@ class CudaIpcEngine(SoftwareEngine):
             for e in exports:
                 if e.handle not in bases:
                     with self._cp.cuda.Device(e.device):
-                        bases[e.handle] = int(runtime.ipcOpenMemHandle(e.handle, runtime.cudaIpcMemLazyEnablePeerAccess))
+                        bases[e.handle] = int(runtime.ipcOpenMemHandle(e.handle, IPC_LAZY_PEER_ACCESS))
                 remote[e.key] = (bases[e.handle] + e.offset, e.length)
         except self._cp.cuda.runtime.CUDARuntimeError as exc:
             for base in bases.values():
