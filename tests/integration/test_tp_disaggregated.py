@@ -10,6 +10,7 @@ greedy tokens equal the TP-1 engine's, and every block returns to both pools.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -85,7 +86,10 @@ def groups(qwen2):
         ranks = [p for w in (*decode.values(), *prefill.values()) for p in getattr(w.res.loaded.model, "ranks", [])]
         assert len(ranks) == 2 * sum(tp - 1 for tp in SIZES)
         yield prefill, decode
-    assert all(p.poll() is not None for p in ranks)
+    # stopped by close: each follower's data plane closed (tp-rank-sender joined) and exit code 0;
+    # rank 0's events threads end with the pipes
+    assert [p.poll() for p in ranks] == [0] * len(ranks)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tp-events")]
 
 
 @contextlib.contextmanager
