@@ -167,7 +167,8 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
         ValueError: unknown weights mode; native weights on CUDA or without the int4 kernel in
             this torch build; bf16 weights on a CPU without native bfloat16 matmuls (emulated,
             several times slower than fp32; docs/PERFORMANCE.md, "bf16 mode without native
-            bfloat16 matmuls"); a CUDA device on a machine without one.
+            bfloat16 matmuls"); a CUDA device on a machine without one, or fewer GPUs than
+            tensor-parallel ranks (one GPU per rank, `engine.tp_ranks.rank_device`).
     """
     if weights == "auto":
         weights, why = resolve_weights(weights, model, device)
@@ -176,6 +177,10 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but torch sees no CUDA device")
+    if dev.type == "cuda" and (dev.index or 0) + tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(f"tensor parallel size {tensor_parallel_size} on {device!r} needs a GPU per rank "
+                         f"(cuda:{dev.index or 0} to cuda:{(dev.index or 0) + tensor_parallel_size - 1}); "
+                         f"torch sees {torch.cuda.device_count()}")
     native = weights == "native"
     if weights == "bf16" and dev.type == "cpu":
         from engine.linear import bf16_matmul_fast
