@@ -36,15 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import auth
 from kvtransfer.base import ArrivalHandler, Memory, WriteOp
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, MemoryRegion, TransportAddress, TransportKind, local_host_id
-from kvtransfer.errors import AuthError, EngineUnavailableError, RemoteAccessError, TransferError
+from kvtransfer.errors import EngineUnavailableError, RemoteAccessError, TransferError
 from kvtransfer.frame import T_NOTIFY, CheckedDescs, group_frames, recv_exact
 from kvtransfer.memory import MemoryTable
-from kvtransfer.software import OutboundPeer, SoftwareEngine
+from kvtransfer.software import OutboundPeer, SoftwareEngine, check_remote_ranges
 
 IPC_HANDLE_BYTES = 64   # sizeof(cudaIpcMemHandle_t)
 IPC_LAZY_PEER_ACCESS = 1   # cudaIpcMemLazyEnablePeerAccess (CUDA runtime API, driver_types.h)
@@ -126,13 +125,11 @@ class CudaIpcEngine(SoftwareEngine):
         super().__init__(config, arrivals, shared)
         self._exports = MemoryTable()   # device registrations, each with its IpcExport
         self._opened: dict[str, list[int]] = {}   # peer endpoint id -> opened allocation bases
-        self._remote: dict[str, dict[int, tuple[int, int]]] = {}
+        self._remote: dict[str, dict[int, tuple[int, int]]] = {}   # peer -> key -> (address, bytes)
+        self._lengths: dict[str, dict[int, int]] = {}
         self._streams = threading.local()
         self._path = f"@pdserve-kv-ipc-{self._s.endpoint_id}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind("\0" + self._path[1:])
-        sock.listen(128)
-        self._start_listener(sock)
+        self._listen_unix(self._path)
 
     @staticmethod
     def reachable(info: EndpointInfo) -> bool:
@@ -183,20 +180,7 @@ class CudaIpcEngine(SoftwareEngine):
         if not self.reachable(info):
             raise TransferError(f"peer {info.endpoint_id} is not reachable over cuda_ipc from this host")
         addr = info.transport(TransportKind.CUDA_IPC)
-        cfg = self._s.config
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(cfg.connect_timeout_s)
-            sock.connect("\0" + addr.path[1:])
-            auth.client_handshake(sock, cfg.secret, self._s.endpoint_id)
-            exports = _recv_table(sock)
-            sock.settimeout(None)
-        except (AuthError, TransferError):
-            sock.close()
-            raise
-        except OSError as exc:
-            sock.close()
-            raise TransferError(f"cannot connect to cuda_ipc peer {addr.path}: {exc}") from exc
+        sock, exports = self._connect_unix(addr.path, _recv_table)
         try:
             remote = self._open_exports(info.endpoint_id, exports)
         except BaseException:
@@ -221,18 +205,11 @@ class CudaIpcEngine(SoftwareEngine):
             raise TransferError(f"cannot open the peer's CUDA IPC handles: {exc}") from exc
         self._opened[endpoint_id] = list(bases.values())
         self._remote[endpoint_id] = remote
+        self._lengths[endpoint_id] = {key: length for key, (_, length) in remote.items()}
         return remote
 
     def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
-        remote = self._remote.get(peer.info.endpoint_id, {})
-        for op in ops:
-            region = remote.get(op.remote_key)
-            if region is None:
-                return RemoteAccessError(f"unknown remote memory key {op.remote_key:#x}; batch rejected")
-            if op.remote_offset < 0 or op.length <= 0 or op.remote_offset + op.length > region[1]:
-                return RemoteAccessError(f"range [{op.remote_offset}, {op.remote_offset + op.length}) outside "
-                                         f"remote region of {region[1]} bytes; batch rejected")
-        return None
+        return check_remote_ranges(ops, self._lengths.get(peer.info.endpoint_id, {}))
 
     def _send_batches(self, remote: dict[int, tuple[int, int]], sock: socket.socket,
                       batches: list[tuple[Sequence[WriteOp], int]]) -> None:
@@ -254,6 +231,7 @@ class CudaIpcEngine(SoftwareEngine):
         super().disconnect(peer)
         if state is not None:
             self._remote.pop(state.info.endpoint_id, None)
+            self._lengths.pop(state.info.endpoint_id, None)
             for base in self._opened.pop(state.info.endpoint_id, []):
                 self._cp.cuda.runtime.ipcCloseMemHandle(base)
 

@@ -26,15 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import auth
 from kvtransfer.base import ArrivalHandler, WriteOp
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind, local_host_id
-from kvtransfer.errors import AuthError, RemoteAccessError, TransferError
+from kvtransfer.errors import RemoteAccessError, TransferError
 from kvtransfer.frame import T_NOTIFY, CheckedDescs, group_frames, recv_exact
 from kvtransfer.memory import ViewCache
-from kvtransfer.software import OutboundPeer, SoftwareEngine
+from kvtransfer.software import OutboundPeer, SoftwareEngine, check_remote_ranges
 
 _LEN = struct.Struct("!I")
 _MAX_FDS = 64
@@ -133,11 +132,9 @@ class ShmEngine(SoftwareEngine):
                  shared: Shared | None = None) -> None:
         super().__init__(config, arrivals, shared)
         self._path = f"@pdserve-kv-{self._s.endpoint_id}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind("\0" + self._path[1:])
-        sock.listen(128)
         self._views: dict[str, dict[int, memoryview]] = {}
-        self._start_listener(sock)
+        self._lengths: dict[str, dict[int, int]] = {}   # peer endpoint id -> its regions' bytes
+        self._listen_unix(self._path)
 
     def _transport(self) -> TransportAddress:
         return TransportAddress(TransportKind.SHM, path=self._path)
@@ -158,21 +155,9 @@ class ShmEngine(SoftwareEngine):
             raise TransferError(f"peer {info.endpoint_id} is not reachable over shm from this host")
         addr = info.transport(TransportKind.SHM)
         assert addr is not None
-        cfg = self._s.config
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(cfg.connect_timeout_s)
-            sock.connect("\0" + addr.path[1:])
-            auth.client_handshake(sock, cfg.secret, self._s.endpoint_id)
-            views = _map_exports(*_recv_exports(sock))
-            sock.settimeout(None)
-        except (AuthError, TransferError):
-            sock.close()
-            raise
-        except OSError as exc:
-            sock.close()
-            raise TransferError(f"cannot connect to shm peer {addr.path}: {exc}") from exc
+        sock, views = self._connect_unix(addr.path, lambda s: _map_exports(*_recv_exports(s)))
         self._views[info.endpoint_id] = views
+        self._lengths[info.endpoint_id] = {key: len(view) for key, view in views.items()}
         send = lambda s, batches: self._send_batches(views, s, batches)  # noqa: E731
         return [OutboundStream(sock, f"kv-shm-{tag}", self._s, tag, self._threads, send)]
 
@@ -181,18 +166,7 @@ class ShmEngine(SoftwareEngine):
         return set(self._views.get(info.endpoint_id, {}))
 
     def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
-        views = self._views.get(peer.info.endpoint_id, {})
-        key, size = None, 0
-        for op in ops:
-            if op.remote_key != key:
-                view = views.get(op.remote_key)
-                if view is None:
-                    return RemoteAccessError(f"unknown remote memory key {op.remote_key:#x}; batch rejected")
-                key, size = op.remote_key, len(view)
-            if op.remote_offset < 0 or op.length <= 0 or op.remote_offset + op.length > size:
-                return RemoteAccessError(f"range [{op.remote_offset}, {op.remote_offset + op.length}) outside "
-                                         f"remote region of {size} bytes; batch rejected")
-        return None
+        return check_remote_ranges(ops, self._lengths.get(peer.info.endpoint_id, {}))
 
     def _send_batches(self, views: dict[int, memoryview], sock: socket.socket,
                       batches: list[tuple[Sequence[WriteOp], int]]) -> None:
@@ -220,6 +194,7 @@ class ShmEngine(SoftwareEngine):
         super().disconnect(peer)
         if state is not None:
             self._views.pop(state.info.endpoint_id, None)
+            self._lengths.pop(state.info.endpoint_id, None)
 
 
 class _ShmInbound(InboundConnection):

@@ -8,17 +8,18 @@ import abc
 import itertools
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvtransfer import auth
 from kvtransfer.base import (ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine, WriteCompletion,
                              WriteHandle, WriteOp)
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, Listener, OutboundStream, Shared, ThreadGroup
 from kvtransfer.endpoint import EndpointId, EndpointInfo, MemoryRegion, TransportAddress, local_host_id
-from kvtransfer.errors import PeerLostError, RemoteAccessError, TransferError
+from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
 from kvtransfer.memory import check_bounds
 from kvtransfer.staging import Stager, allocate_mirror, home_bytes
 
@@ -27,6 +28,22 @@ from kvtransfer.staging import Stager, allocate_mirror, home_bytes
 class OutboundPeer:
     info: EndpointInfo
     streams: list[OutboundStream]
+
+
+def check_remote_ranges(ops: Sequence[WriteOp], lengths: dict[int, int]) -> RemoteAccessError | None:
+    """The error rejecting ``ops`` as a batch when one names a key not in ``lengths`` (remote key
+    -> region bytes) or a range outside its region; None when every write fits. For engines whose
+    writer is the only place a write can be checked (shm, cuda_ipc: no NIC, no receiver copy)."""
+    key, size = None, 0
+    for op in ops:
+        if op.remote_key != key:
+            if op.remote_key not in lengths:
+                return RemoteAccessError(f"unknown remote memory key {op.remote_key:#x}; batch rejected")
+            key, size = op.remote_key, lengths[op.remote_key]
+        if op.remote_offset < 0 or op.length <= 0 or op.remote_offset + op.length > size:
+            return RemoteAccessError(f"range [{op.remote_offset}, {op.remote_offset + op.length}) outside "
+                                     f"remote region of {size} bytes; batch rejected")
+    return None
 
 
 def split_by_bytes(ops: Sequence[WriteOp], parts: int) -> list[list[WriteOp]]:
@@ -221,6 +238,34 @@ class SoftwareEngine(TransferEngine):
             raise TransferError(f"threads did not stop: {alive}")
 
     # -- helpers for subclasses -----------------------------------------------------------------
+    def _listen_unix(self, path: str) -> None:
+        """Listen on the abstract Unix socket ``path`` (``@name``) for same-host writers."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + path[1:])
+        sock.listen(128)
+        self._start_listener(sock)
+
+    def _connect_unix(self, path: str, receive: Callable[[socket.socket], object]) -> tuple[socket.socket, object]:
+        """Connect to a same-host peer's abstract Unix socket ``path``, authenticate with the
+        cluster secret, then ``receive(sock)`` what the peer sends after authentication (its
+        export table); returns the socket and that. Raises AuthError (secret mismatch),
+        TransferError (unreachable, or whatever ``receive`` raises); the socket is closed then."""
+        cfg = self._s.config
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(cfg.connect_timeout_s)
+            sock.connect("\0" + path[1:])
+            auth.client_handshake(sock, cfg.secret, self._s.endpoint_id)
+            received = receive(sock)
+            sock.settimeout(None)
+        except (AuthError, TransferError):
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"cannot connect to {self.name} peer {path}: {exc}") from exc
+        return sock, received
+
     def _start_listener(self, sock: socket.socket) -> None:
         self._listener = Listener(sock, f"kv-{self.name}-listen", self._threads, self._accept)
 
