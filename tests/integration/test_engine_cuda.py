@@ -32,11 +32,9 @@ from engine.config import CacheConfig, kv_cache_dtype
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.sampling import SamplingParams
-from rpc import pdserve_pb2 as pb
-from rpc import pdserve_pb2_grpc as pb_grpc
 from tests.integration.test_model_families import (BLOCK, FAMILIES, NEW_TOKENS, PROMPT_TOKENS, SPLIT, build_checkpoint,
                                                    prompt, save_tokenizer)
-from tests.integration.worker_pair import broker, run_request, start_worker, stop, wait_ready
+from tests.integration.worker_pair import serve_one
 from tests.require import unavailable
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
@@ -127,22 +125,8 @@ def test_two_gpu_workers_serve_the_engines_tokens(tmp_path, tokenizer_dir, trans
     path = build_checkpoint("qwen2", tmp_path / "qwen2", tokenizer_dir, CHECKPOINTS["qwen2"])
     _, want = engine(path, "fp32")
     flags = ("--model", str(path), "--weights", "fp32", "--device", "cuda", "--transfer-engine", transfer)
-    dproc, daddr = start_worker("decode", *flags)
-    pproc, paddr = start_worker("prefill", *flags)
-    try:
-        decode, dch = wait_ready(daddr, pb_grpc.DecodeStub, dproc)
-        prefill, pch = wait_ready(paddr, pb_grpc.PrefillStub, pproc)
-        broker(prefill, decode)
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-        assert run_request(prefill, decode, f"gpu-{transfer}", prompt(), params) == want
-        d, p = decode.Stats(pb.StatsRequest()), prefill.Stats(pb.StatsRequest())
-        assert d.load.free_blocks == d.load.total_blocks and p.load.free_blocks == p.load.total_blocks
-        dch.close()
-        pch.close()
-    finally:
-        codes = [stop(pproc), stop(dproc)]
-    assert codes == [0, 0]
-
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    assert serve_one(flags, f"gpu-{transfer}", prompt(), params) == want
 
 def test_pdserve_up_on_the_gpu_answers_as_the_engine(tmp_path, tokenizer_dir):
     """``pdserve up --device cuda`` (the launcher: router, a prefill and a decode worker as

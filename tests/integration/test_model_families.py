@@ -26,9 +26,7 @@ from engine.errors import ModelLoadError
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.sampling import SamplingParams
-from rpc import pdserve_pb2 as pb
-from rpc import pdserve_pb2_grpc as pb_grpc
-from tests.integration.worker_pair import broker, run_request, start_worker, stop, wait_ready
+from tests.integration.worker_pair import serve_one
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
 pytestmark = pytest.mark.integration
@@ -255,18 +253,5 @@ def test_served_disaggregated_over_tcp_equals_transformers(tmp_path, tokenizer_d
     path = build_checkpoint(name, tmp_path / name, tokenizer_dir)
     _, want_tokens = hf_reference(path)
     flags = ("--model", str(path), "--weights", "fp32", "--transfer-engine", "tcp")
-    dproc, daddr = start_worker("decode", *flags)
-    pproc, paddr = start_worker("prefill", *flags)
-    try:
-        decode, dch = wait_ready(daddr, pb_grpc.DecodeStub, dproc)
-        prefill, pch = wait_ready(paddr, pb_grpc.PrefillStub, pproc)
-        broker(prefill, decode)
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-        assert run_request(prefill, decode, "family-0", prompt(), params) == want_tokens
-        d, p = decode.Stats(pb.StatsRequest()), prefill.Stats(pb.StatsRequest())
-        assert d.load.free_blocks == d.load.total_blocks and p.load.free_blocks == p.load.total_blocks
-        dch.close()
-        pch.close()
-    finally:
-        codes = [stop(pproc), stop(dproc)]
-    assert codes == [0, 0]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    assert serve_one(flags, "family-0", prompt(), params) == want_tokens

@@ -12,6 +12,7 @@ import grpc
 
 from deploy.launcher import free_port
 from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.auth import DEV_SECRET, client_interceptor
 from worker.convert import sampling_to_proto
 
@@ -67,4 +68,24 @@ def run_request(prefill, decode, rid: str, prompt: list[int], params) -> list[in
         tokens += chunk.token_ids
         if chunk.finish_reason:
             break
+    return tokens
+
+
+def serve_one(flags: tuple[str, ...], rid: str, prompt: list[int], params) -> list[int]:
+    """Start a decode and a prefill worker with ``flags``, broker them, run one request and stop
+    both: its tokens. Asserts every block back in both pools and both workers exiting 0."""
+    dproc, daddr = start_worker("decode", *flags)
+    pproc, paddr = start_worker("prefill", *flags)
+    try:
+        decode, dch = wait_ready(daddr, pb_grpc.DecodeStub, dproc)
+        prefill, pch = wait_ready(paddr, pb_grpc.PrefillStub, pproc)
+        broker(prefill, decode)
+        tokens = run_request(prefill, decode, rid, prompt, params)
+        d, p = decode.Stats(pb.StatsRequest()), prefill.Stats(pb.StatsRequest())
+        assert d.load.free_blocks == d.load.total_blocks and p.load.free_blocks == p.load.total_blocks
+        dch.close()
+        pch.close()
+    finally:
+        codes = [stop(pproc), stop(dproc)]
+    assert codes == [0, 0]
     return tokens
