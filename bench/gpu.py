@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import arg_parser, write_json
+from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig, kv_cache_dtype
 from engine.kv_cache import KVPool
@@ -60,16 +60,8 @@ def _sync(device: str) -> None:
 
 
 def _time(fn, device: str, reps: int) -> float:
-    """Median seconds of ``fn`` (synchronized) over ``reps`` runs after one warm-up."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of ``fn``, synchronized with the device (`bench.common.median_time`)."""
+    return median_time(lambda: (fn(), _sync(device)), reps)
 
 
 @torch.inference_mode()
