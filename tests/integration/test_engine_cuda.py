@@ -38,7 +38,7 @@ from tests.integration.worker_pair import serve_one
 from tests.require import unavailable
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
-pytestmark = [pytest.mark.integration, pytest.mark.cuda, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.cuda, pytest.mark.timeout(240)]
 
 SMOLLM2_SHAPES = ("LlamaConfig", {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
                                   "num_key_value_heads": 3, "tie_word_embeddings": True},
