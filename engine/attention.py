@@ -69,6 +69,8 @@ class ForwardBatch:
         sample_rows: ``[S]`` int64, the logits rows of the ``need_logits`` chunks, in chunk order;
             None when those are all the rows (no chunk asked for ``prompt_logits``).
         logits_spans: per chunk, ``(first logits row, rows)``.
+        prefill_pad: ``(longest, index)`` when the pass's prompts attend as one padded batch
+            (`plan_padded_prefill`; set by `to` off the CPU), else None.
     """
 
     input_ids: torch.Tensor
@@ -84,6 +86,7 @@ class ForwardBatch:
     sample_rows: torch.Tensor | None = None
     logits_spans: list[tuple[int, int]] | None = None
     decode_lens_t: torch.Tensor | None = None
+    prefill_pad: tuple[int, torch.Tensor] | None = None
     _decode_biases: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def decode_bias(self, group: "DecodeGroup", window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -181,7 +184,29 @@ class ForwardBatch:
             decode_groups=None if groups is None else [g.to(device) for g in groups],
             decode_rows=move(self.decode_rows), sample_rows=move(self.sample_rows),
             decode_lens_t=None if self.decode_lens is None or torch.device(device).type == "cpu"
-            else torch.tensor(self.decode_lens, dtype=torch.int32, device=device))
+            else torch.tensor(self.decode_lens, dtype=torch.int32, device=device),
+            # one padded SDPA call instead of one per prompt: off the CPU, where a call's launch
+            # costs more than the padded rows' arithmetic
+            prefill_pad=None if torch.device(device).type == "cpu" else self.plan_padded_prefill(device))
+
+    def plan_padded_prefill(self, device: torch.device | str = "cpu") -> tuple[int, torch.Tensor] | None:
+        """``(L, index)`` for a pass of two or more prompts that attend to themselves alone (each
+        chunk is its sequence's start: no cached context, no one-token rows): prefill attention
+        then runs as one causal SDPA over a ``[S, heads, L, head_dim]`` batch right-padded to the
+        longest prompt ``L`` instead of one call per sequence (the padded keys sit after every
+        real query, so the causal mask alone hides them). ``index``: ``[T]`` int64 on ``device``,
+        row ``t``'s place in the flattened ``[S * L]`` padded rows. None when the pass is not such
+        a batch, or when padding would more than double the rows attended."""
+        if self.is_decode or self.decode_rows is not None or len(self.seq_ranges) < 2:
+            return None
+        if any(ctx != n for _, n, ctx, _ in self.seq_ranges):
+            return None
+        longest = max(n for _, n, _, _ in self.seq_ranges)
+        total = sum(n for _, n, _, _ in self.seq_ranges)
+        if longest * len(self.seq_ranges) > 2 * total:
+            return None
+        index = torch.cat([torch.arange(n) + i * longest for i, (_, n, _, _) in enumerate(self.seq_ranges)])
+        return longest, index.to(device)
 
     def _build_decode_tables(self, block_size: int, ranges) -> None:
         max_blocks = max(r[3].numel() for r in ranges)
@@ -275,6 +300,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if batch.is_decode:
         return _decode_attention(q, k_pool, v_pool, batch, block_size, window, scale, softcap)
+    pad = batch.prefill_pad
+    if pad is not None and softcap is None and (window is None or pad[0] <= window):
+        return _padded_prefill(q, k, v, pad, len(batch.seq_ranges), scale)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if batch.decode_rows is not None:
         out[batch.decode_rows] = _decode_attention(q.index_select(0, batch.decode_rows), k_pool, v_pool,
@@ -303,6 +331,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = _attend(qs, ks, vs, mask, scale, softcap)
         out[first:first + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
     return out
+
+
+def _padded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tuple[int, torch.Tensor], seqs: int,
+                    scale: float | None) -> torch.Tensor:
+    """`paged_attention` of a pass of ``seqs`` whole prompts as one causal SDPA over their rows
+    right-padded to ``pad = (L, index)`` (`ForwardBatch.plan_padded_prefill`); padded rows are
+    zeros and are dropped. Returns ``[T, heads * head_dim]`` in ``q``'s dtype."""
+    longest, index = pad
+    rows, heads, dim = q.shape
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros((seqs * longest, x.shape[1], dim), dtype=q.dtype)
+        out.index_copy_(0, index, x.to(q.dtype))
+        return out.view(seqs, longest, x.shape[1], dim).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, enable_gqa=True, scale=scale)
+    return o.transpose(1, 2).reshape(seqs * longest, heads * dim).index_select(0, index)
 
 
 def store_kv(pool: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> None:

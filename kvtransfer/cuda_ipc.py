@@ -8,9 +8,10 @@ a handle names a whole allocation) with the region's offset in it, its length, k
 authenticates with the cluster secret (tcp's handshake); only then does it receive the export table
 (`encode_exports`) and open each allocation once (``cudaIpcOpenMemHandle``, lazy peer access).
 
-Writer: a batch's writes become device-to-device copies (`copy_plan`: runs contiguous on both sides
-merged) issued with ``cudaMemcpyAsync`` on the stream thread's own CUDA stream; an event recorded
-after them is synchronized, and only then does a NOTIFY frame carry the batch's descriptors to the
+Writer: a batch's writes become device-to-device copies (`copy_plan`: per pair of local and peer
+region, runs contiguous on both sides merged), all of a pair's in one launch of
+`kvtransfer.copy_kernel.copy_ranges` (a lone range, or no Triton: ``cudaMemcpyAsync``), on the
+stream thread's own CUDA stream; an event recorded after them is synchronized, and only then does a NOTIFY frame carry the batch's descriptors to the
 receiver, which checks them against its exports again and delivers the immediates, counted as
 every engine's are. An immediate therefore means the bytes are in the reader's pool. Keys and
 bounds are checked by the writer before any copy (as shm's: no NIC checks them).
@@ -31,11 +32,12 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvtransfer import copy_kernel
 from kvtransfer.base import ArrivalHandler, Memory, WriteOp
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, OutboundStream, Shared
@@ -44,6 +46,7 @@ from kvtransfer.errors import EngineUnavailableError, RemoteAccessError, Transfe
 from kvtransfer.frame import T_NOTIFY, CheckedDescs, group_frames, recv_exact
 from kvtransfer.memory import MemoryTable
 from kvtransfer.software import OutboundPeer, SoftwareEngine, check_remote_ranges
+from kvtransfer.staging import home_bytes
 
 IPC_HANDLE_BYTES = 64   # sizeof(cudaIpcMemHandle_t)
 IPC_LAZY_PEER_ACCESS = 1   # cudaIpcMemLazyEnablePeerAccess (CUDA runtime API, driver_types.h)
@@ -85,22 +88,20 @@ def decode_exports(body: bytes) -> list[IpcExport]:
     return exports
 
 
-def copy_plan(ops: Sequence[WriteOp], local_ptr: Callable[[int], int],
-              remote: dict[int, tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """``(dst address, src address, bytes)`` device copies for ``ops``, in order: consecutive
-    writes contiguous on both sides merge into one copy. ``local_ptr(key)`` is a local region's
-    device address; ``remote[key]`` a peer region's ``(address, length)``. The ranges were checked
-    (`CudaIpcEngine._check_remote`, `SoftwareEngine._check_local`)."""
-    out: list[list[int]] = []
+def copy_plan(ops: Sequence[WriteOp]) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+    """The device copies for ``ops``: per ``(local key, peer key)``, ``(peer offset, local offset,
+    bytes)`` ranges in the order of the writes, consecutive writes contiguous on both sides merged
+    into one range. The ranges were checked (`CudaIpcEngine._check_remote`,
+    `SoftwareEngine._check_local`)."""
+    out: dict[tuple[int, int], list[list[int]]] = {}
     for op in ops:
-        dst = remote[op.remote_key][0] + op.remote_offset
-        src = local_ptr(op.local.key) + op.local_offset
-        last = out[-1] if out else None
-        if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src:
+        runs = out.setdefault((op.local.key, op.remote_key), [])
+        last = runs[-1] if runs else None
+        if last is not None and last[0] + last[2] == op.remote_offset and last[1] + last[2] == op.local_offset:
             last[2] += op.length
         else:
-            out.append([dst, src, op.length])
-    return [tuple(c) for c in out]
+            runs.append([op.remote_offset, op.local_offset, op.length])
+    return {pair: [tuple(r) for r in runs] for pair, runs in out.items()}
 
 
 def _cupy():
@@ -125,7 +126,7 @@ class CudaIpcEngine(SoftwareEngine):
         super().__init__(config, arrivals, shared)
         self._exports = MemoryTable()   # device registrations, each with its IpcExport
         self._opened: dict[str, list[int]] = {}   # peer endpoint id -> opened allocation bases
-        self._remote: dict[str, dict[int, tuple[int, int]]] = {}   # peer -> key -> (address, bytes)
+        self._remote: dict[str, dict[int, torch.Tensor]] = {}   # peer -> key -> its region's bytes, opened
         self._lengths: dict[str, dict[int, int]] = {}
         self._streams = threading.local()
         self._path = f"@pdserve-kv-ipc-{self._s.endpoint_id}"
@@ -157,6 +158,10 @@ class CudaIpcEngine(SoftwareEngine):
         handle = bytes(self._cp.cuda.runtime.ipcGetMemHandle(base))
         export = IpcExport(0, handle, tensor.data_ptr() - base, tensor.numel() * tensor.element_size(),
                            tensor.device.index or 0)   # its key: the registration's (`_serve_connection`)
+        if copy_kernel.available(tensor.device):   # build the copy kernel now, not in the first write
+            with torch.cuda.device(tensor.device):
+                scratch = torch.zeros(64, dtype=torch.uint8, device=tensor.device)
+                copy_kernel.copy_ranges(scratch, scratch, [(0, 32, 8), (16, 48, 8)])
         return self._exports.register_device(tensor, export, key)
 
     def deregister_memory(self, region: MemoryRegion) -> None:
@@ -189,7 +194,7 @@ class CudaIpcEngine(SoftwareEngine):
         send = lambda s, batches: self._send_batches(remote, s, batches)  # noqa: E731
         return [OutboundStream(sock, f"kv-ipc-{tag}", self._s, tag, self._threads, send)]
 
-    def _open_exports(self, endpoint_id: str, exports: list[IpcExport]) -> dict[int, tuple[int, int]]:
+    def _open_exports(self, endpoint_id: str, exports: list[IpcExport]) -> dict[int, torch.Tensor]:
         runtime = self._cp.cuda.runtime
         bases: dict[bytes, int] = {}
         remote = {}
@@ -198,31 +203,48 @@ class CudaIpcEngine(SoftwareEngine):
                 if e.handle not in bases:
                     with self._cp.cuda.Device(e.device):
                         bases[e.handle] = int(runtime.ipcOpenMemHandle(e.handle, IPC_LAZY_PEER_ACCESS))
-                remote[e.key] = (bases[e.handle] + e.offset, e.length)
+                remote[e.key] = self._device_bytes(bases[e.handle] + e.offset, e.length, e.device)
         except self._cp.cuda.runtime.CUDARuntimeError as exc:
             for base in bases.values():
                 runtime.ipcCloseMemHandle(base)
             raise TransferError(f"cannot open the peer's CUDA IPC handles: {exc}") from exc
         self._opened[endpoint_id] = list(bases.values())
         self._remote[endpoint_id] = remote
-        self._lengths[endpoint_id] = {key: length for key, (_, length) in remote.items()}
+        self._lengths[endpoint_id] = {key: t.numel() for key, t in remote.items()}
         return remote
+
+    def _device_bytes(self, addr: int, length: int, device: int) -> torch.Tensor:
+        """A uint8 torch tensor over ``length`` bytes of device memory at ``addr`` (an opened peer
+        allocation: it lives until `disconnect` closes its handle)."""
+        cp = self._cp
+        mem = cp.cuda.UnownedMemory(addr, length, self, device_id=device)
+        array = cp.ndarray((length,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+        return torch.as_tensor(array, device=f"cuda:{device}")
 
     def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
         return check_remote_ranges(ops, self._lengths.get(peer.info.endpoint_id, {}))
 
-    def _send_batches(self, remote: dict[int, tuple[int, int]], sock: socket.socket,
+    def _send_batches(self, remote: dict[int, torch.Tensor], sock: socket.socket,
                       batches: list[tuple[Sequence[WriteOp], int]]) -> None:
-        cp, runtime = self._cp, self._cp.cuda.runtime
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = cp.cuda.Stream(non_blocking=True)
+        runtime = self._cp.cuda.runtime
         ops = [op for batch, _ in batches for op in batch]
-        for dst, src, n in copy_plan(ops, lambda key: self._exports.get(key).region.addr, remote):
-            runtime.memcpyAsync(dst, src, n, runtime.memcpyDeviceToDevice, stream.ptr)
-        done = cp.cuda.Event(block=False, disable_timing=True)
-        done.record(stream)
-        done.synchronize()   # the bytes are in the peer's pool before its immediates are sent
+        plan = copy_plan(ops)
+        stream = None
+        for (local_key, remote_key), ranges in plan.items():
+            src = home_bytes(self._exports.get(local_key).owner)
+            dst = remote[remote_key]
+            stream = getattr(self._streams, "stream", None)
+            if stream is None:
+                stream = self._streams.stream = torch.cuda.Stream(device=src.device)
+            with torch.cuda.device(src.device), torch.cuda.stream(stream):
+                if len(ranges) > 1 and copy_kernel.available(src.device):
+                    copy_kernel.copy_ranges(dst, src, ranges)
+                else:
+                    for d, s, n in ranges:
+                        runtime.memcpyAsync(dst.data_ptr() + d, src.data_ptr() + s, n,
+                                            runtime.memcpyDeviceToDevice, stream.cuda_stream)
+        if stream is not None:
+            stream.synchronize()   # the bytes are in the peer's pool before its immediates are sent
         sock.sendall(b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches)))
 
     def disconnect(self, peer) -> None:  # type: ignore[override]

@@ -21,7 +21,7 @@ from kvtransfer.connection import InboundConnection, Listener, OutboundStream, S
 from kvtransfer.endpoint import EndpointId, EndpointInfo, MemoryRegion, TransportAddress, local_host_id
 from kvtransfer.errors import AuthError, PeerLostError, RemoteAccessError, TransferError
 from kvtransfer.memory import check_bounds
-from kvtransfer.staging import Stager, allocate_mirror, home_bytes
+from kvtransfer.staging import Mirror, Stager, allocate_mirror, home_bytes
 
 
 @dataclass(slots=True)
@@ -83,7 +83,7 @@ class SoftwareEngine(TransferEngine):
         self._next_stream = itertools.count()
         self._closed = False
         self._listener: Listener | None = None
-        self._mirrors: dict[int, object] = {}   # staged registrations' shared mirror handles
+        self._mirrors: dict[int, Mirror] = {}   # staged registrations' host mirrors
         self._local = threading.local()
 
     # -- transport hooks ------------------------------------------------------------------------
@@ -108,24 +108,23 @@ class SoftwareEngine(TransferEngine):
         self._check_open()
         if isinstance(memory, torch.Tensor) and (memory.is_cuda or stage):
             home = home_bytes(memory)
-            mirror, handle = allocate_mirror(memory, self.MIRROR_ALLOCATOR)
+            mirror = allocate_mirror(memory, self.MIRROR_ALLOCATOR)
             try:
-                reg = self._s.memory.register(mirror, handle, home=home)
+                reg = self._s.memory.register(mirror.tensor, mirror.handle, home=home)
             except BaseException:
-                if handle is not None:
-                    handle.close()
+                mirror.release()
                 raise
             with self._lock:
-                self._mirrors[reg.region.key] = handle
+                self._mirrors[reg.region.key] = mirror
             return reg.region
         return self._s.memory.register(memory, shared).region
 
     def deregister_memory(self, region: MemoryRegion) -> None:
         self._s.memory.deregister(region.key)
         with self._lock:
-            handle = self._mirrors.pop(region.key, None)
-        if handle is not None:
-            handle.close()
+            mirror = self._mirrors.pop(region.key, None)
+        if mirror is not None:
+            mirror.release()
 
     def stager(self) -> Stager:
         """This thread's `kvtransfer.staging.Stager` over the engine's memory table."""
@@ -236,6 +235,10 @@ class SoftwareEngine(TransferEngine):
         alive = self._threads.join_all(self._s.config.close_timeout_s)
         if alive:
             raise TransferError(f"threads did not stop: {alive}")
+        with self._lock:   # no thread copies any more: the mirrors' pinning goes
+            mirrors, self._mirrors = list(self._mirrors.values()), {}
+        for mirror in mirrors:
+            mirror.release()
 
     # -- helpers for subclasses -----------------------------------------------------------------
     def _listen_unix(self, path: str) -> None:

@@ -44,11 +44,34 @@ def copy_runs(ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, in
     return [tuple(r) for r in out]
 
 
-def allocate_mirror(home: torch.Tensor, allocate_shared=None):
-    """A host mirror for ``home`` (a contiguous tensor): ``(uint8 tensor, shared handle or
-    None)``; in shared memory when ``allocate_shared`` (`kvtransfer.shm.allocate_shared_buffer`)
-    is given; page-locked when ``home`` is on a GPU (pinned by torch, or, for shared memory,
-    registered with ``cudaHostRegister``). Raises TransferError when pinning fails."""
+class Mirror:
+    """A staged registration's host mirror (`allocate_mirror`): ``tensor`` (uint8, as long as its
+    home), ``handle`` (the shared-memory handle for shm, else None) and whether this process
+    page-locked it with ``cudaHostRegister``. `release` undoes the pinning and closes the handle;
+    the engine calls it when the registration or the engine goes away. Without it, a mapping
+    freed later while still registered leaves CUDA's registration behind, and the next mapping
+    at that address fails with error 712 (cudaErrorHostMemoryAlreadyRegistered)."""
+
+    def __init__(self, tensor: torch.Tensor, handle=None, host_registered: bool = False):
+        self.tensor, self.handle, self._registered = tensor, handle, host_registered
+
+    def release(self) -> None:
+        """Unregister the pinning (once) and close the handle; idempotent. Raises TransferError
+        when CUDA refuses to unregister."""
+        if self._registered:
+            self._registered = False
+            err = torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            if int(err) != 0:
+                raise TransferError(f"cudaHostUnregister of a shared mirror failed: error {int(err)}")
+        if self.handle is not None:
+            self.handle.close()
+
+
+def allocate_mirror(home: torch.Tensor, allocate_shared=None) -> Mirror:
+    """A host mirror for ``home`` (a contiguous tensor); in shared memory when ``allocate_shared``
+    (`kvtransfer.shm.allocate_shared_buffer`) is given; page-locked when ``home`` is on a GPU
+    (pinned by torch, or, for shared memory, registered with ``cudaHostRegister`` until
+    `Mirror.release`). Raises TransferError when pinning fails."""
     nbytes = home.numel() * home.element_size()
     if allocate_shared is not None:
         mirror, handle = allocate_shared(nbytes)
@@ -57,8 +80,8 @@ def allocate_mirror(home: torch.Tensor, allocate_shared=None):
             if int(err) != 0:
                 handle.close()
                 raise TransferError(f"cudaHostRegister of a {nbytes}-byte shared mirror failed: error {int(err)}")
-        return mirror, handle
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=home.is_cuda), None
+        return Mirror(mirror, handle, host_registered=home.is_cuda)
+    return Mirror(torch.empty(nbytes, dtype=torch.uint8, pin_memory=home.is_cuda))
 
 
 def home_bytes(home: torch.Tensor) -> torch.Tensor:

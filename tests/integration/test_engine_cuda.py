@@ -6,11 +6,17 @@ scaled so a wrong rope, norm or bias shows): Llama 3 (llama3 rope scaling, biase
 two-layer checkpoint of SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, 576 wide, tied
 embeddings). On the GPU, against transformers on the same GPU:
 
-- float32 (TF32 off on both sides): logits within 1e-4 at every position of a 330-token prompt
-  run in two chunks over the paged pool, and the 32 greedy tokens equal;
-- bfloat16 (weights and pool): logits within 3% of their scale (the largest |logit|) at every
-  prompt position, and the first 8 greedy tokens equal: bf16's 8-bit mantissa reorders sums
-  differently in each implementation, so later tokens may part where two logits nearly tie.
+- float32 (TF32 off on both sides): logits within 1e-4 of their scale (the largest |logit|) at
+  every position of a 330-token prompt run in two chunks over the paged pool, and the 32 greedy
+  tokens equal. (The scaled weights amplify rounding: the SmolLM2-shaped checkpoint's float32
+  logits part from transformers' by 7e-5 of their scale on the CPU, 4e-5 on an H200.)
+- bfloat16 (weights and pool): against transformers' float32 logits, the engine's bf16 error is
+  at most 2.5x transformers' own bf16 error, and its prompt argmax agrees with float32's at no
+  fewer positions than transformers' bf16 does, less 0.1. On these checkpoints bf16 itself moves
+  the logits by 12-27% of their scale (transformers' bf16 against its fp32 on the CPU), so two
+  bf16 implementations cannot be held to each other more tightly than that. The check can fail:
+  with the rope theta doubled the engine's bf16 error is 21-57 (at most 3.2 right), and its
+  argmax agreement 0.05-0.12 (0.79-0.91 right), measured on the CPU.
 
 Then a prefill and a decode worker (``--device cuda``, two processes on the one GPU) over each
 transfer engine that moves GPU pools on one host (cuda_ipc; tcp and shm staged through host
@@ -44,7 +50,7 @@ SMOLLM2_SHAPES = ("LlamaConfig", {"hidden_size": 576, "intermediate_size": 1536,
                                   "num_key_value_heads": 3, "tie_word_embeddings": True},
                   {"rope_type": "default", "rope_theta": 100000.0})
 CHECKPOINTS = {"llama3": FAMILIES["llama3"], "qwen2": FAMILIES["qwen2"], "smollm2-shapes": SMOLLM2_SHAPES}
-BF16_GREEDY = 8
+BF16_ERROR_RATIO = 2.5
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,16 +114,19 @@ def engine(path: Path, weights: str) -> tuple[torch.Tensor, list[int]]:
 def test_fp32_on_the_gpu_equals_transformers(checkpoint):
     want_logits, want_tokens = reference(checkpoint, torch.float32)
     logits, tokens = engine(checkpoint, "fp32")
-    assert (logits - want_logits).abs().max().item() < 1e-4
+    scale = want_logits.abs().max().item()
+    assert (logits - want_logits).abs().max().item() < 1e-4 * scale
     assert tokens == want_tokens
 
 
 def test_bf16_on_the_gpu_is_within_its_tolerance(checkpoint):
-    want_logits, want_tokens = reference(checkpoint, torch.bfloat16)
-    logits, tokens = engine(checkpoint, "bf16")
-    scale = want_logits.abs().max().item()
-    assert (logits - want_logits).abs().max().item() < 3e-2 * scale
-    assert tokens[:BF16_GREEDY] == want_tokens[:BF16_GREEDY]
+    exact, _ = reference(checkpoint, torch.float32)
+    theirs, _ = reference(checkpoint, torch.bfloat16)
+    ours, _ = engine(checkpoint, "bf16")
+    their_error, our_error = ((x - exact).abs().max().item() for x in (theirs, ours))
+    agree = lambda x: (x.argmax(-1) == exact.argmax(-1)).float().mean().item()  # noqa: E731
+    assert our_error <= BF16_ERROR_RATIO * their_error, (our_error, their_error)
+    assert agree(ours) >= agree(theirs) - 0.1, (agree(ours), agree(theirs))
 
 
 @pytest.mark.parametrize("transfer", ["cuda_ipc", "tcp", "shm", "auto"])

@@ -335,7 +335,7 @@ def test_eight_peers_at_once(setup, receiver):
             receiver.call("release", slot, gen)
         for i in range(8):
             assert receiver.call("bytes_digest", i << 20, 1 << 20) == hashlib.sha256(
-                src[i].numpy().tobytes()).hexdigest()
+                src[i].cpu().numpy().tobytes()).hexdigest()
     finally:
         for engine in engines:
             engine.close()

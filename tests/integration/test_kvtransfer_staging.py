@@ -67,6 +67,10 @@ def test_staged_homes_carry_the_bytes_before_the_immediate(engine):
         assert torch.equal(dst_view[:, :, :, dst_blocks], want)
         others = [b for b in range(24) if b not in dst_blocks]
         assert not dst_view[:, :, :, others].any()
+        mirrors = list(getattr(rx, "_mirrors", {}).values())
     finally:
         tx.close()
         rx.close()
+    # closing released the mirrors (on a GPU: their cudaHostRegister pinning; shm: their memfd)
+    if engine == "shm":
+        assert mirrors and all(m.handle.fd == -1 for m in mirrors)

@@ -40,9 +40,8 @@ def test_copies_merge_writes_contiguous_on_both_sides_only():
            WriteOp(local, 150, 9, 400, 10),                                   # a gap on the reader's side
            WriteOp(local, 500, 9, 410, 10),                                   # a gap on the writer's side
            WriteOp(local, 0, 8, 0, 16)]                                       # another region
-    plan = copy_plan(ops, lambda key: 10_000, {9: (1_000_000, 4096), 8: (2_000_000, 64)})
-    assert plan == [(1_000_000, 10_000, 150), (1_000_400, 10_150, 10), (1_000_410, 10_500, 10),
-                    (2_000_000, 10_000, 16)]
+    plan = copy_plan(ops)
+    assert plan == {(1, 9): [(0, 0, 150), (400, 150, 10), (410, 500, 10)], (1, 8): [(0, 0, 16)]}
 
 
 def test_cuda_ipc_is_refused_with_the_reason_where_it_cannot_run():

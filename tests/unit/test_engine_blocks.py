@@ -152,3 +152,35 @@ def test_decode_rows_form_one_group_off_the_cpu():
     assert (whole.bias[:, 0, 0] == 0).sum(-1).tolist() == [50, 64, 20]
     moved = batch.to(torch.device("meta"))
     assert len(moved.decode_groups) == 1 and moved.decode_groups[0].blocks.device.type == "meta"
+
+
+def test_padded_prefill_equals_one_call_per_prompt():
+    """Off the CPU a pass of whole prompts attends as one right-padded causal SDPA
+    (`ForwardBatch.plan_padded_prefill`): forced here on the CPU, it gives the per-prompt path's
+    output for ragged prompts with grouped-query heads, and a sliding window longer than every
+    prompt. Passes it cannot serve keep the per-prompt path."""
+    import engine.attention as attention
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block = 6, 2, 16, 8
+    lengths = [5, 17, 12, 9]
+    tables = [list(range(4 * i, 4 * i + 3)) for i in range(len(lengths))]
+    batch = ForwardBatch.build([SeqChunk(list(range(n)), 0, t) for n, t in zip(lengths, tables)], block)
+    rows = sum(lengths)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    k, v = torch.randn(rows, kv_heads, dim, generator=gen), torch.randn(rows, kv_heads, dim, generator=gen)
+    pool_k = pool_v = torch.zeros(16, kv_heads, block, dim)
+    want = attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, window=32)
+    pad = batch.plan_padded_prefill()
+    assert pad[0] == 17 and pad[1].tolist()[:6] == [0, 1, 2, 3, 4, 17]
+    batch.prefill_pad = pad
+    got = attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, window=32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, window=4)).abs().max() > 1e-3
+    # a chunk with cached context, a one-token row among prompts, or padding over twice the rows: None
+    assert ForwardBatch.build([SeqChunk([1, 2], 0, [0]), SeqChunk([3, 4], 5, [1])], block).plan_padded_prefill() is None
+    assert ForwardBatch.build([SeqChunk([1, 2], 0, [0]), SeqChunk([3], 4, [1]), SeqChunk([5], 2, [2])],
+                              block).plan_padded_prefill() is None
+    assert ForwardBatch.build([SeqChunk(list(range(40)), 0, list(range(5))), SeqChunk([1], 0, [6]),
+                               SeqChunk([2], 0, [7])], block).plan_padded_prefill() is None
+    assert batch.to(torch.device("meta")).prefill_pad is not None and batch.to(torch.device("cpu")).prefill_pad is None
