@@ -40,6 +40,9 @@ WHEELS = ("fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "annot
 """Distributions the GPU image lacks (its package list: the device tool's KINDS.md), or holds at
 versions older than pdserve's generated stubs (grpcio, protobuf) or pydantic (typing-extensions)
 accept; opentelemetry-api is fastapi's."""
+TIER_PATHS = ("tests/unit", "tests/integration")
+"""Where the cuda tier is collected from: tests/e2e holds no cuda test (tests/unit/test_gpucheck.py
+checks) and needs packages the GPU image lacks (schemathesis, jsonschema, lm-eval)."""
 CPU_REFERENCE_TEST = "tests/integration/test_engine_reference.py::test_cuda_engine_matches_cpu_greedy"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "manylinux_2_24_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64")
@@ -98,7 +101,7 @@ def _tests(xml: Path, log: Path) -> list[dict]:
         for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
             for outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
                 if f" {outcome}" in line and "::" in line:
-                    test = line.split(" ")[-1] if line.startswith("[") else line.split(" ")[0]
+                    test = line.split()[-1] if line.startswith("[") else line.split()[0]
                     rows.append({"test": test.split("/")[-1], "outcome": outcome.lower(), "seconds": 0.0,
                                  "message": "(from the log)"})
                     break
@@ -130,16 +133,18 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
         env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi", "-L"], check=False)
-    subprocess.run([sys.executable, "-c", "import torch, transformers, triton, cupy, grpc; print('torch', torch.__version__, "
-                    "'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__, "
-                    "'cupy', cupy.__version__, 'grpcio', grpc.__version__)"], env=env, check=False)
+    versions = subprocess.run([sys.executable, "-c", "import torch, transformers, triton, cupy, grpc; print('torch', "
+                               "torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name(), "
+                               "'transformers', transformers.__version__, 'triton', triton.__version__, 'cupy', "
+                               "cupy.__version__, 'grpcio', grpc.__version__)"], env=env, capture_output=True, text=True)
+    print(versions.stdout, versions.stderr[-2000:], flush=True)
 
     def left() -> float:
         return budget_s - (time.monotonic() - t0)
 
     steps = [_step("doctor", [sys.executable, "-m", "deploy.cli", "doctor"], env, out, min(60.0, left()))]
     pytest_cmd = [sys.executable, "-m", "pytest", "-m", "cuda and not rdma", "-v", "-p", "no:cacheprovider",
-                  "--junitxml", str(out / "cuda.xml"), "tests"]
+                  "--junitxml", str(out / "cuda.xml"), *TIER_PATHS]
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
         pytest_cmd[3:3] = ["-n", str(workers)]
     try:
@@ -168,7 +173,8 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
         ipc = bench_rows["cuda_ipc"]
         print(f"| bench cuda_ipc | {ipc['ratio']:.2f}x the copy ceiling | | {ipc['ipc_gb_s']:.1f} vs "
               f"{ipc['copy_gb_s']:.1f} GB/s, {ipc['bytes_per_write'] / 2**20:.2f} MiB per write |")
-    (out / "gpucheck.json").write_text(json.dumps({"steps": steps, "tests": tests, "bench": bench_rows}, indent=1))
+    (out / "gpucheck.json").write_text(json.dumps({"versions": versions.stdout.strip(), "steps": steps, "tests": tests,
+                                                         "bench": bench_rows}, indent=1))
     failed = [t for t in tests if t["outcome"] in ("failed", "error")]
     return 0 if tests and not failed and all(s["rc"] == 0 for s in steps) else 1
 
