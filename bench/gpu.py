@@ -10,9 +10,11 @@
   token each. Tokens per second, the engine eager and compiled (``torch.compile``: its CUDA
   graphs where it takes them), transformers as ``model(...)`` with its KV cache (no ``generate``).
 - **cuda_ipc**: a receiver process with a GPU pool (`kvtransfer.cuda_ipc`) and this process
-  writing a KV-shaped plan into it (a Llama-3-8B-shaped layer set, 4096 tokens: 1 MiB per write),
-  GB/s of KV moved from the first post to the last immediate counted, against the copy ceiling:
-  a torch device-to-device copy of the same bytes in this process.
+  writing a KV-shaped plan into it (a Llama-3-8B-shaped layer set, 4096 then 16384 tokens: 512
+  writes of 1 MiB, then of 4 MiB), GB/s of KV moved from the first post to the last immediate
+  counted, against the copy ceiling: a torch device-to-device copy of the same bytes in this
+  process. The two sizes split a transfer's time into a fixed part and a streaming rate
+  (`fixed_and_streaming`).
 
 Runs on the CPU too (``--device cpu``, small sizes: a smoke test of this script), never for
 figures.
@@ -163,6 +165,20 @@ def _print_row(r: dict) -> None:
           f"{r['pdserve_tok_s']:.0f} | {r['transformers_tok_s']:.0f} | {r['ratio']:.2f}x |", flush=True)
 
 
+IPC_TOKENS = (4096, 16384)
+"""Context lengths of the two cuda_ipc plans: 512 writes each (32 layers x K|V x 8 KV heads), of
+1 MiB and 4 MiB."""
+
+
+def fixed_and_streaming(sizes: list[dict]) -> dict:
+    """Two `ipc_rate` results with the same write count, as ``time = fixed + bytes / streaming``:
+    ``fixed_us`` (the transfer's cost whatever its bytes: Python per write and per batch, the
+    NOTIFY and the receiver's counting) and ``streaming_gb_s`` (the copies' own rate)."""
+    (b0, t0), (b1, t1) = ((r["bytes"], r["bytes"] / r["ipc_gb_s"] / 1e9) for r in sizes)
+    per_byte = (t1 - t0) / (b1 - b0)
+    return {"fixed_us": (t0 - per_byte * b0) * 1e6, "streaming_gb_s": 1 / per_byte / 1e9 if per_byte > 0 else float("inf")}
+
+
 def main(argv=None) -> dict:
     ap = arg_parser("bench.gpu", __doc__)
     ap.add_argument("--device", default="cuda")
@@ -214,12 +230,21 @@ def main(argv=None) -> dict:
         path = build_shapes_checkpoint(Path(tmp) / "smollm2-shapes", Path(args.tokenizer), layers)
         for weights, compiled in order:
             if weights == "ipc":
-                if not late("cuda_ipc"):
-                    result["cuda_ipc"] = ipc = ipc_rate(512 if args.quick else 4096, reps)
+                sizes = result["cuda_ipc_sizes"] = []
+                for tokens in (512,) if args.quick else IPC_TOKENS:
+                    if late(f"cuda_ipc {tokens} tokens"):
+                        break
+                    sizes.append(ipc := ipc_rate(tokens, reps))
+                    result.setdefault("cuda_ipc", ipc)
                     print(f"cuda_ipc: {ipc['writes']} writes of {ipc['bytes_per_write'] / 2**20:.2f} MiB: "
                           f"{ipc['ipc_gb_s']:.1f} GB/s vs a device copy of the same bytes {ipc['copy_gb_s']:.1f} "
                           f"GB/s ({ipc['ratio']:.2f}x the ceiling)", flush=True)
                     save()
+                if len(sizes) == 2:
+                    result["cuda_ipc_fit"] = fit = fixed_and_streaming(sizes)
+                    print(f"cuda_ipc per transfer of {sizes[0]['writes']} writes: {fit['fixed_us']:.0f} us fixed, "
+                          f"then {fit['streaming_gb_s']:.0f} GB/s (copy ceiling {sizes[-1]['copy_gb_s']:.0f} GB/s)",
+                          flush=True)
                 continue
             label = f"{weights} {'compiled' if compiled else 'eager'}"
             if late(label, 60.0 if compiled else 0.0):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 
 try:
@@ -42,14 +43,11 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def unit_bytes(values: Sequence[int]) -> int:
+def unit_bytes(values) -> int:
     """The widest of 8, 4, 2, 1 bytes dividing every one of ``values`` (addresses, offsets,
-    lengths)."""
-    acc = 8
-    for v in values:
-        while v % acc:
-            acc //= 2
-    return acc
+    lengths; a sequence or an int64 array): the lowest set bit of their OR, at most 8."""
+    acc = int(np.bitwise_or.reduce(np.asarray(values, dtype=np.int64).ravel(), initial=8))
+    return acc & -acc
 
 
 if triton is not None:
@@ -78,18 +76,20 @@ def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int
         raise ValueError("copy_ranges takes 1-D uint8 tensors")
     if dst.device != src.device:
         raise ValueError(f"copy_ranges needs one device, got {dst.device} and {src.device}")
-    for d, s, n in ranges:
-        if n <= 0 or d < 0 or s < 0 or d + n > dst.numel() or s + n > src.numel():
-            raise ValueError(f"range (dst {d}, src {s}, {n} bytes) outside {dst.numel()} / {src.numel()} bytes")
-    if not ranges:
+    desc = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)   # one pass, not one Python step per range
+    if not len(desc):
         return
+    d, s, n = desc.T
+    bad = (n <= 0) | (d < 0) | (s < 0) | (d + n > dst.numel()) | (s + n > src.numel())
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"range (dst {d[i]}, src {s[i]}, {n[i]} bytes) outside {dst.numel()} / {src.numel()} bytes")
     if not available(dst.device):
         raise RuntimeError(f"copy_ranges cannot run on {dst.device}: it needs Triton and a GPU or TRITON_INTERPRET=1")
-    unit = unit_bytes([dst.data_ptr(), src.data_ptr(), *(v for r in ranges for v in r)])
+    unit = unit_bytes(np.append(desc.ravel(), [dst.data_ptr(), src.data_ptr()]))
     dtype = UNITS[unit]
     dst_units = dst[: dst.numel() - dst.numel() % unit].view(dtype)
     src_units = src[: src.numel() - src.numel() % unit].view(dtype)
-    desc = torch.tensor(ranges, dtype=torch.int64).div_(unit, rounding_mode="floor").to(dst.device, non_blocking=True)
-    longest = max(n for _, _, n in ranges) // unit
-    programs = min(MAX_PROGRAMS, -(-longest // BLOCK))
-    _copy_ranges_kernel[(len(ranges), programs)](dst_units, src_units, desc, programs, BLOCK=BLOCK)
+    desc_t = torch.from_numpy(desc // unit).to(dst.device, non_blocking=True)
+    programs = min(MAX_PROGRAMS, -(-int(n.max()) // unit // BLOCK))
+    _copy_ranges_kernel[(len(desc), programs)](dst_units, src_units, desc_t, programs, BLOCK=BLOCK)

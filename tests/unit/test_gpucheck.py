@@ -1,17 +1,15 @@
-"""`deploy.gpucheck`'s CPU-side parts: the report parser (JUnit XML, else the live ``-v`` log of a
-pytest killed at its limit) and the tier's collection paths covering every cuda test."""
+"""`deploy.gpucheck` and `bench.gpu` on the CPU: the report parser (JUnit XML, else the live ``-v``
+log of a pytest killed at its limit), the tier's collection paths covering every cuda test, the
+cuda_ipc fit, and the bench's CPU smoke run (so the script a GPU session runs has not rotted)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from deploy.gpucheck import ROOT, TIER_PATHS, _tests
 
-pytestmark = pytest.mark.unit
-
-
+@pytest.mark.unit
 def test_outcomes_come_from_the_report_else_from_the_log(tmp_path):
     xml = tmp_path / "cuda.xml"
     xml.write_text('<testsuites><testsuite><testcase classname="tests.integration.test_x" name="test_a" time="1.5"/>'
@@ -27,8 +25,36 @@ def test_outcomes_come_from_the_report_else_from_the_log(tmp_path):
     assert [(r["test"], r["outcome"]) for r in rows] == [("test_x.py::test_a", "passed"), ("test_x.py::test_b", "failed")]
 
 
+@pytest.mark.unit
 def test_every_cuda_test_lies_under_the_tier_paths():
     outside = [p.relative_to(ROOT) for p in (ROOT / "tests").rglob("test_*.py")
                if "mark.cuda" in p.read_text() and not any(str(p.relative_to(ROOT)).startswith(t) for t in TIER_PATHS)]
     assert not outside, f"cuda tests outside {TIER_PATHS}: {outside}"
     assert any("mark.cuda" in p.read_text() for p in (ROOT / "tests" / "integration").glob("test_*.py"))
+
+
+@pytest.mark.unit
+def test_cuda_ipc_time_splits_into_fixed_and_streaming():
+    from bench.gpu import fixed_and_streaming
+
+    def run(nbytes: float, fixed_s: float = 1e-3, rate: float = 2e12) -> dict:
+        return {"bytes": nbytes, "ipc_gb_s": nbytes / (fixed_s + nbytes / rate) / 1e9}
+
+    fit = fixed_and_streaming([run(5.4e8), run(2.1e9)])
+    assert abs(fit["fixed_us"] - 1000) < 1e-6 and abs(fit["streaming_gb_s"] - 2000) < 1e-6
+
+
+@pytest.mark.integration
+def test_the_gpu_bench_runs_its_cpu_smoke(tmp_path):
+    """`bench.gpu` on the CPU at its smoke sizes (eager, no cuda_ipc): the script a GPU session
+    runs still runs, and writes its rows."""
+    from bench.gpu import main
+    from tests.integration.test_model_families import save_tokenizer
+
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    out = main(["--device", "cpu", "--quick", "--no-compiled", "--batches", "1,2", "--weights", "fp32",
+                "--tokenizer", str(tokenizer), "--json", str(tmp_path / "gpu.json")])
+    assert [(r["phase"], r["batch"]) for r in out["rows"]] == [("prefill", 1), ("decode", 1), ("prefill", 2),
+                                                             ("decode", 2)]
+    assert all(r["pdserve_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in out["rows"])
+    assert (tmp_path / "gpu.json").exists() and "cuda_ipc" not in out
