@@ -1,14 +1,15 @@
 """The engine and the cuda_ipc engine on a GPU, each beside its reference in the same run.
 
     python -m bench.gpu [--tokenizer DIR] [--batches 1,8,32,128] [--weights fp32,bf16]
-                        [--no-compiled] [--no-ipc] [--quick] [--json PATH]
+                        [--no-compiled] [--no-graphs] [--no-ipc] [--quick] [--json PATH]
 
 - **Engine**: a checkpoint of SmolLM2-135M's shapes (30 layers, 576 wide, 9 query heads and 3 KV
   heads of 64, random weights written by transformers: throughput depends on shapes, not values;
   the GPU machine has no GGUF) against transformers on the same GPU and dtype. Prefill: a batch of
   B prompts of 128 tokens in one pass; decode: B sequences after such prompts, 32 steps of one
-  token each. Tokens per second, the engine eager and compiled (``torch.compile``: its CUDA
-  graphs where it takes them), transformers as ``model(...)`` with its KV cache (no ``generate``).
+  token each. Tokens per second, the engine eager, with decode steps replayed from CUDA graphs
+  (`engine.cuda_graphs`; prefill stays eager), and compiled (``torch.compile``); transformers as
+  ``model(...)`` with its KV cache (no ``generate``).
 - **cuda_ipc**: a receiver process with a GPU pool (`kvtransfer.cuda_ipc`) and this process
   writing a KV-shaped plan into it (a Llama-3-8B-shaped layer set, 4096 then 16384 tokens: 512
   writes of 1 MiB, then of 4 MiB), GB/s of KV moved from the first post to the last immediate
@@ -67,18 +68,26 @@ def _time(fn, device: str, reps: int) -> float:
 
 
 @torch.inference_mode()
-def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of ``batch`` sequences of `PROMPT` tokens (module doc)."""
+def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int,
+                 graphs: bool = False) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of ``batch`` sequences of `PROMPT` tokens (module doc);
+    ``graphs``: decode steps replayed from CUDA graphs (`engine.cuda_graphs`, recorded first)."""
     device = str(loaded.model.device)
     per_seq = -(-(PROMPT + steps + 2) // BS)
-    pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=batch * per_seq, dtype=kv_cache_dtype(weights)),
-                  device=loaded.model.device)
+    pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=batch * per_seq + 1,
+                                             dtype=kv_cache_dtype(weights)), device=loaded.model.device)
+    step = loaded.model.forward
+    if graphs:
+        from engine.cuda_graphs import DecodeGraphs
+
+        recorded = DecodeGraphs(loaded.model, pool, batch, per_seq * BS)
+        step = lambda b, pool: recorded.run(b)  # noqa: E731
     ids = torch.randint(100, 40000, (PROMPT,)).tolist()
     tables = [pool.allocator.allocate(per_seq) for _ in range(batch)]
     prefill = ForwardBatch.build([SeqChunk(ids, 0, t) for t in tables], BS)
     prefill_s = _time(lambda: loaded.model.forward(prefill, pool), device, reps)
     steps_batches = [ForwardBatch.build([SeqChunk([ids[0]], PROMPT + s, t) for t in tables], BS) for s in range(steps)]
-    decode_s = _time(lambda: [loaded.model.forward(b, pool) for b in steps_batches], device, max(1, reps // 2))
+    decode_s = _time(lambda: [step(b, pool) for b in steps_batches], device, max(1, reps // 2))
     return batch * PROMPT / prefill_s, batch * steps / decode_s
 
 
@@ -161,7 +170,7 @@ def ipc_rate(tokens: int, reps: int) -> dict:
 
 
 def _print_row(r: dict) -> None:
-    print(f"| {r['weights']} | {'compiled' if r['compiled'] else 'eager'} | {r['phase']} | {r['batch']} | "
+    print(f"| {r['weights']} | {r['step']} | {r['phase']} | {r['batch']} | "
           f"{r['pdserve_tok_s']:.0f} | {r['transformers_tok_s']:.0f} | {r['ratio']:.2f}x |", flush=True)
 
 
@@ -187,10 +196,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--weights", default="fp32,bf16")
     ap.add_argument("--no-compiled", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="no rows with decode steps from CUDA graphs")
     ap.add_argument("--no-ipc", action="store_true")
     ap.add_argument("--quick", action="store_true", help="2 layers, 4 steps: a smoke test")
     ap.add_argument("--deadline-s", type=float, default=None,
-                    help="start no section (a dtype's eager or compiled rows, cuda_ipc) after this many seconds; "
+                    help="start no section (a dtype's eager, graphs or compiled rows, cuda_ipc) after this many seconds; "
                          "each row is printed and the JSON rewritten as it is measured")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -222,13 +232,15 @@ def main(argv=None) -> dict:
     print("| weights | step | phase | batch | pdserve tok/s | transformers tok/s | ratio |")
     print("|---|---|---|---|---|---|---|", flush=True)
     dtypes = args.weights.split(",")
-    # eager rows first, then cuda_ipc, then the compiled rows (their build takes the longest)
-    order = [(w, False) for w in dtypes] + ([("ipc", None)] if not args.no_ipc and args.device.startswith("cuda")
-                                            else []) + ([] if args.no_compiled else [(w, True) for w in reversed(dtypes)])
+    # eager rows first, then cuda_ipc, CUDA graphs, and the compiled rows (their build takes the longest)
+    cuda = args.device.startswith("cuda")
+    order = ([(w, "eager") for w in dtypes] + ([("ipc", None)] if not args.no_ipc and cuda else [])
+             + ([(w, "graphs") for w in reversed(dtypes)] if cuda and not args.no_graphs else [])
+             + ([] if args.no_compiled else [(w, "compiled") for w in reversed(dtypes)]))
     theirs: dict[str, dict[int, tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_shapes_checkpoint(Path(tmp) / "smollm2-shapes", Path(args.tokenizer), layers)
-        for weights, compiled in order:
+        for weights, mode in order:
             if weights == "ipc":
                 sizes = result["cuda_ipc_sizes"] = []
                 for tokens in (512,) if args.quick else IPC_TOKENS:
@@ -246,8 +258,8 @@ def main(argv=None) -> dict:
                           f"then {fit['streaming_gb_s']:.0f} GB/s (copy ceiling {sizes[-1]['copy_gb_s']:.0f} GB/s)",
                           flush=True)
                 continue
-            label = f"{weights} {'compiled' if compiled else 'eager'}"
-            if late(label, 60.0 if compiled else 0.0):
+            label = f"{weights} {mode}"
+            if late(label, 60.0 if mode == "compiled" else 0.0):
                 continue
             if weights not in theirs:
                 dtype = torch.float32 if weights == "fp32" else torch.bfloat16
@@ -255,18 +267,19 @@ def main(argv=None) -> dict:
                 theirs[weights] = {b: hf_rates(hf, b, reps, steps, args.device) for b in batches}
                 del hf
             built = time.monotonic()
-            loaded = load_model(path, weights=weights, device=args.device, compiled=compiled)
+            loaded = load_model(path, weights=weights, device=args.device, compiled=mode == "compiled")
             for b in batches:
                 if late(f"{label} batch {b}"):
                     break
-                ours = engine_rates(loaded, weights, b, reps, steps)
+                ours = engine_rates(loaded, weights, b, reps, steps, graphs=mode == "graphs")
                 for i, phase in enumerate(("prefill", "decode")):
-                    rows.append({"weights": weights, "compiled": compiled, "phase": phase, "batch": b,
+                    rows.append({"weights": weights, "step": mode, "compiled": mode == "compiled", "phase": phase,
+                                 "batch": b,
                                  "pdserve_tok_s": ours[i], "transformers_tok_s": theirs[weights][b][i],
                                  "ratio": ours[i] / theirs[weights][b][i]})
                     _print_row(rows[-1])
                 save()
-            if compiled:   # the first pass of each shape builds its graph inside the timed warm-up
+            if mode != "eager":   # graphs are built before timing, compiled ones in the untimed warm-up
                 print(f"({label}: loaded and measured in {time.monotonic() - built:.0f} s, graphs built included)",
                       flush=True)
             del loaded

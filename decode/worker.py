@@ -105,6 +105,13 @@ class DecodeWorker:
                                              prefill_batch_tokens=(c.prefill_batch_tokens or default_batch_tokens(
                                                  c.device, c.max_num_batched_tokens))),
                              grammars=Grammars(tok, tok.stop_token_ids) if tok is not None else None)
+        if c.device != "cpu" and not c.enforce_eager:   # vLLM's default on a GPU: decode from CUDA graphs
+            try:
+                seconds = self.gen.runner.enable_cuda_graphs(c.max_num_seqs)
+                log.info("recorded CUDA graphs of the decode step for up to %d sequences in %.1f s",
+                         c.max_num_seqs, seconds)
+            except ValueError as exc:
+                log.warning("decode steps run eagerly: %s", exc)
         self._model = res.loaded.config
         self._lock = StepGate()   # the generator: the loop holds it per step, RPCs get in between
         self._state = threading.Condition()   # reservations, quarantine, draining, metrics

@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model eagerly (default; vLLM's name); --no-enforce-eager: every worker "
                         "runs its layers as torch.compile graphs built at start-up (engine.compiled; "
-                        "no faster on the CPU, measured: docs/PERFORMANCE.md, 'Compiled layers')")
+                        "no faster on the CPU, measured: docs/PERFORMANCE.md, 'Compiled layers'), and "
+                        "with --device cuda a decode worker replays its decode steps from CUDA graphs")
     u.add_argument("--policy", default=None, choices=["load", "kv", "round_robin"],
                    help="the router's placement policy (default: kv with prefix caching, load with --no-prefix-caching)")
     u.add_argument("--ask", default=None, metavar="QUESTION",

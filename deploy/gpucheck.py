@@ -167,7 +167,8 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
     for t in tests:
         print(f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {t['message']} |")
     for r in bench_rows.get("rows", []):
-        print(f"| bench {r['weights']} {'compiled' if r['compiled'] else 'eager'} {r['phase']} x{r['batch']} | "
+        print(f"| bench {r['weights']} {r.get('step', 'compiled' if r['compiled'] else 'eager')} {r['phase']} "
+              f"x{r['batch']} | "
               f"{r['ratio']:.2f}x transformers | | {r['pdserve_tok_s']:.0f} vs {r['transformers_tok_s']:.0f} tok/s |")
     if "cuda_ipc" in bench_rows:
         ipc = bench_rows["cuda_ipc"]

@@ -137,6 +137,20 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.prefix_caching = prefix_caching
+        self.graphs = None   # `enable_cuda_graphs`
+
+    def enable_cuda_graphs(self, max_batch: int) -> float:
+        """Replay decode steps of up to ``max_batch`` sequences from CUDA graphs
+        (`engine.cuda_graphs.DecodeGraphs`, recorded now; one pool block is held for their
+        padding rows); other passes stay eager. Returns the seconds the recording took. Raises
+        ValueError where the model's decode step cannot be recorded (the reason named)."""
+        import time
+
+        from engine.cuda_graphs import DecodeGraphs
+
+        t0 = time.monotonic()
+        self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.model.config.max_position)
+        return time.monotonic() - t0
 
     @property
     def block_size(self) -> int:
@@ -229,7 +243,11 @@ class ModelRunner:
         """
         batch = ForwardBatch.build([c for _, c in scheduled], self.pool.block_size)
         self.set_pass_threads(batch.input_ids.numel())
-        logits = self.model.forward(batch, self.pool, on_layer_done=on_layer_done)
+        logits = None
+        if self.graphs is not None and on_layer_done is None:
+            logits = self.graphs.run(batch)   # None: not a decode step its graphs cover
+        if logits is None:
+            logits = self.model.forward(batch, self.pool, on_layer_done=on_layer_done)
         for (seq, chunk), (first, rows) in zip(scheduled, batch.logits_spans):
             if chunk.prompt_logits:
                 seq.prompt_logprobs += prompt_logprobs_of(logits[first:first + rows], seq.prompt_token_ids,

@@ -68,7 +68,8 @@ class WorkerConfig:
             with a fixed ``transfer_port``, rank r listens on ``transfer_port + r``).
         enforce_eager: run the model's layers eagerly (vLLM's name); False: as compiled graphs
             (`engine.compiled`: ``torch.compile``, built at start-up, their build time logged,
-            inductor's caches on disk so a restart reuses them).
+            inductor's caches on disk so a restart reuses them), and on a GPU a decode worker
+            replays its decode steps from CUDA graphs (`engine.cuda_graphs`).
         parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
             thread (a decode step's small operators gain nothing from a second thread and wait
             at each operator's barrier for a thread another process took off a shared core),
