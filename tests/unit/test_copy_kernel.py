@@ -6,26 +6,17 @@ before any launch."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvtransfer.copy_kernel import copy_ranges, unit_bytes
+from tests.interpreted import run_interpreted
 
 pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_case_copies_exactly_the_ranges():
-    pytest.importorskip("triton", reason="triton is in the dev extra")
-    out = subprocess.run([sys.executable, "-m", "tests.unit.copy_kernel_cases"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    lines = dict(line.split(" ", 1) for line in run_interpreted("tests.unit.copy_kernel_cases").splitlines())
     assert set(lines) == {"kv-aligned", "one-long", "ragged-odd", "src-misaligned"}
     assert lines["kv-aligned"] == "unit=8 ok" and lines["one-long"] == "unit=8 ok"
     assert lines["ragged-odd"] == "unit=1 ok" and lines["src-misaligned"] == "unit=1 ok"

@@ -7,26 +7,18 @@ graphs on a GPU: tests/integration/test_engine_cuda.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from engine.cuda_graphs import buckets, unsupported
+from tests.interpreted import run_interpreted
 from tests.unit.test_engine_runner import _model
 
 pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_static_buffers_and_padding_give_the_eager_step():
-    pytest.importorskip("triton", reason="triton is in the dev extra")
-    out = subprocess.run([sys.executable, "-m", "tests.unit.cuda_graph_cases"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.splitlines()[-1])
+    r = json.loads(run_interpreted("tests.unit.cuda_graph_cases").splitlines()[-1])
     assert r["worst_logit_diff"] < 1e-4 and r["pool_diff"] < 1e-4
     assert r["steps"] == [[4, [3, 64]]] * 4   # three sequences replayed in the bucket of 4
     assert r["pad_block_written"] and r["free_blocks"][0] == r["free_blocks"][1]

@@ -7,26 +7,19 @@ The same kernel is what CUDA pools run (`engine.attention`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.interpreted import run_interpreted
+
 pytest.importorskip("triton", reason="triton is in the dev extra")
 pytestmark = pytest.mark.unit
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("triton") / "cases.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, "-m", "tests.unit.triton_cases", str(out)], cwd=ROOT, env=env,
-                   check=True, timeout=300)
+    run_interpreted("tests.unit.triton_cases", str(out))
     return torch.load(out, weights_only=False)
 
 
