@@ -9,13 +9,13 @@ image lacks, for CPython 3.12 on manylinux x86-64). Add ``/.gpucheck/`` to ``.gi
 and carry the folder to the machine.
 
 ``run`` installs ``DIR/wheels`` into a scratch folder on ``PYTHONPATH``, prints the GPU and the
-versions it found, then runs within ``--budget-s`` seconds, each in its own process group:
-``pdserve doctor`` (GPUs, dma-buf, nvidia-peermem, the engine ``auto`` picks), the cuda tier (``pytest -m "cuda and not rdma"`` with ``PDSERVE_REQUIRE=cuda``: a test that skips for
-want of the GPU fails instead; GPUDirect over verbs needs an RDMA NIC the GPU machine lacks) and
-`bench.gpu` (given what time is left: it prints and saves each row as it goes and starts no
-section it cannot finish). It prints one table, each test's outcome and seconds then the
-bench's rows, and writes ``gpucheck.json`` (and the logs) into ``--out``. Exit status: 0 when
-every test passed.
+versions it found, then runs within ``--budget-s`` seconds, each in its own process group: ``pdserve
+doctor`` (GPUs, dma-buf, nvidia-peermem, the engine ``auto`` picks), the cuda tier (``pytest -m
+"cuda and not rdma"`` with ``PDSERVE_REQUIRE=cuda``: a test that skips for want of the GPU fails
+instead; GPUDirect over verbs needs an RDMA NIC the GPU machine lacks) and `bench.gpu` (given what
+time is left: it prints and saves each row as it goes and starts no section it cannot finish). It
+prints one table, each test's outcome and seconds then the bench's rows, and writes
+``gpucheck.json`` (and the logs) into ``--out``. Exit status: 0 when every test passed.
 """
 
 from __future__ import annotations
@@ -167,8 +167,7 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
     for t in tests:
         print(f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {t['message']} |")
     for r in bench_rows.get("rows", []):
-        print(f"| bench {r['weights']} {r.get('step', 'compiled' if r['compiled'] else 'eager')} {r['phase']} "
-              f"x{r['batch']} | "
+        print(f"| bench {r['weights']} {r['step']} {r['phase']} x{r['batch']} | "
               f"{r['ratio']:.2f}x transformers | | {r['pdserve_tok_s']:.0f} vs {r['transformers_tok_s']:.0f} tok/s |")
     if "cuda_ipc" in bench_rows:
         ipc = bench_rows["cuda_ipc"]

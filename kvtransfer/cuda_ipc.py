@@ -11,10 +11,11 @@ authenticates with the cluster secret (tcp's handshake); only then does it recei
 Writer: a batch's writes become device-to-device copies (`copy_plan`: per pair of local and peer
 region, runs contiguous on both sides merged), all of a pair's in one launch of
 `kvtransfer.copy_kernel.copy_ranges` (a lone range, or no Triton: ``cudaMemcpyAsync``), on the
-stream thread's own CUDA stream; an event recorded after them is synchronized, and only then does a NOTIFY frame carry the batch's descriptors to the
-receiver, which checks them against its exports again and delivers the immediates, counted as
-every engine's are. An immediate therefore means the bytes are in the reader's pool. Keys and
-bounds are checked by the writer before any copy (as shm's: no NIC checks them).
+stream thread's own CUDA stream; the stream is synchronized, and only then does a NOTIFY frame carry
+the batch's descriptors to the receiver, which checks them against its exports again and delivers
+the immediates, counted as every engine's are. An immediate therefore means the bytes are in the
+reader's pool. Keys and bounds are checked by the writer before any copy (as shm's: no NIC checks
+them).
 
 Closing: a stream's thread waits for the copies it issued before it sends their NOTIFY, so a
 close that joins the threads returns with no copy in flight; the peer's allocations are closed
@@ -227,15 +228,12 @@ class CudaIpcEngine(SoftwareEngine):
     def _send_batches(self, remote: dict[int, torch.Tensor], sock: socket.socket,
                       batches: list[tuple[Sequence[WriteOp], int]]) -> None:
         runtime = self._cp.cuda.runtime
-        ops = [op for batch, _ in batches for op in batch]
-        plan = copy_plan(ops)
         stream = None
-        for (local_key, remote_key), ranges in plan.items():
-            src = home_bytes(self._exports.get(local_key).owner)
-            dst = remote[remote_key]
-            stream = getattr(self._streams, "stream", None)
-            if stream is None:
-                stream = self._streams.stream = torch.cuda.Stream(device=src.device)
+        for (local_key, remote_key), ranges in copy_plan([op for batch, _ in batches for op in batch]).items():
+            src, dst = home_bytes(self._exports.get(local_key).owner), remote[remote_key]
+            if stream is None:   # this stream thread's own CUDA stream
+                stream = getattr(self._streams, "stream", None) or torch.cuda.Stream(device=src.device)
+                self._streams.stream = stream
             with torch.cuda.device(src.device), torch.cuda.stream(stream):
                 if len(ranges) > 1 and copy_kernel.available(src.device):
                     copy_kernel.copy_ranges(dst, src, ranges)
