@@ -237,6 +237,29 @@ class Cluster:
             argv += ["--model", c.model]
         return argv + list(c.router_args)
 
+    def _tp(self, name: str) -> int:
+        sizes = self.config.decode_tp if name.startswith("decode") else self.config.prefill_tp
+        return sizes[min(int(name.split("-")[1]), len(sizes) - 1)]
+
+    def oversubscribed(self) -> set[str]:
+        """The workers whose torch threads, with those of every worker sharing a CPU with them,
+        outnumber the CPUs they share (each worker's threads times its TP ranks; a pinned worker
+        on its CPU, an unpinned one on this process's CPUs). `_spawn` gives them libgomp's passive
+        wait (``OMP_WAIT_POLICY=PASSIVE``): libgomp stops spinning at its barriers when it
+        manages more threads than the process has CPUs, but cannot see another process's
+        threads, and two processes spinning on the same cores starve each other (measured:
+        docs/PERFORMANCE.md, "One OpenMP team per worker")."""
+        everywhere = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+        cpus = {w.name: {self.cpus[w.name]} if w.name in self.cpus else everywhere for w in self.workers}
+        threads = {w.name: self.config.threads * self._tp(w.name) for w in self.workers}
+        out = set()
+        for name, mine in cpus.items():
+            sharing = [v for v in cpus if cpus[v] & mine]
+            shared = set().union(*(cpus[v] for v in sharing))
+            if sum(threads[v] for v in sharing) > len(shared) and threads[name] > 1:
+                out.add(name)
+        return out
+
     def _worker_argv(self, name: str) -> list[str]:
         c = self.config
         role = name.split("-")[0]
@@ -249,8 +272,7 @@ class Cluster:
             argv += ["--device", c.device]
         if c.model:
             argv += ["--model", c.model]
-        sizes = c.decode_tp if role == "decode" else c.prefill_tp
-        tp = sizes[min(int(name.split("-")[1]), len(sizes) - 1)]
+        tp = self._tp(name)
         if tp > 1:
             argv += ["--tensor-parallel-size", str(tp)]
         return argv + list(c.worker_args)
@@ -271,6 +293,9 @@ class Cluster:
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if (child.name in self.oversubscribed()
+                and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)):
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         cpu = self.cpus.get(child.name)
         with open(child.log_path, "ab") as log:
             child.popen = subprocess.Popen(

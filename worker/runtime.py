@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 import grpc
 import torch
@@ -264,12 +264,44 @@ class WorkerProcess:
         self.stopped.set()
 
 
+T = TypeVar("T")
+
+
+def run_on_own_thread(name: str, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` on a thread of its own, named ``name``, that has exited when this returns;
+    returns its result or raises what it raised.
+
+    Why: a worker builds its model and pool with parallel torch operators, and each thread that
+    runs one becomes the master of an OpenMP team that lives as long as the thread does. With
+    the build's team alive on the main thread beside the compute loop's own, libgomp manages more
+    threads than the process has CPUs and stops spinning at its barriers, which made every
+    two-thread forward pass of the loop ~1.35x slower (measured: docs/PERFORMANCE.md, "One
+    OpenMP team per worker"). Built on a thread that ends, the build's team ends with it, and
+    the compute loop's team is the process's only one.
+    """
+    out: list = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        except BaseException as exc:   # noqa: BLE001 - handed to the caller's thread
+            err.append(exc)
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    if err:
+        raise err[0]
+    return out[0]
+
+
 def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerProcess]) -> int:
     """Run a worker until SIGTERM/SIGINT; returns the process exit code: 0, 3 when the router
     refused the registration, 4 when the worker was lost (`WorkerResources.lose`)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.worker_id} %(levelname)s %(name)s: %(message)s")
     bound_native_memory(config.role)
-    process = build(config)
+    process = run_on_own_thread("worker-build", build, config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

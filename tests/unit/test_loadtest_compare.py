@@ -64,3 +64,39 @@ def test_launcher_serving_modes_and_pinning(tmp_path):
     assert c.cpus == {"decode-0": 0, "decode-1": 0, "decode-2": 0}
     argv = c.router.argv
     assert argv[argv.index("--serving-mode") + 1] == "colocated"
+
+
+def test_launcher_gives_workers_sharing_cpus_the_passive_wait(tmp_path, monkeypatch):
+    """Workers whose torch threads outnumber the CPUs they share run with OMP_WAIT_POLICY=PASSIVE
+    (`Cluster.oversubscribed`); one thread per pinned CPU, or one process's threads on its own
+    CPUs, keep libgomp's spinning."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+
+    def cluster(**kw):
+        return Cluster(LauncherConfig(log_dir=str(tmp_path), **kw))
+
+    assert cluster(cpu_affinity=(0, 1)).oversubscribed() == set()               # pdserve up's default
+    assert cluster(cpu_affinity=(0, 1), threads=2).oversubscribed() == {"prefill-0", "decode-0"}
+    assert cluster(threads=2).oversubscribed() == {"prefill-0", "decode-0"}     # 4 threads, 2 CPUs
+    assert cluster(threads=1).oversubscribed() == set()
+    assert cluster(num_prefill=0, num_decode=1, serving_mode="colocated", threads=2).oversubscribed() == set()
+    assert cluster(num_prefill=0, num_decode=1, serving_mode="colocated", threads=2,
+                   decode_tp=(2,)).oversubscribed() == {"decode-0"}
+    spawned = {}
+
+    def popen(argv, env=None, **kw):
+        spawned[argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else "router"] = env
+        raise OSError("not started: this test only reads the environment")
+
+    monkeypatch.setattr("subprocess.Popen", popen)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    c = cluster(threads=2)
+    for child in c.workers:
+        with pytest.raises(OSError):
+            c._spawn(child)
+    assert {n: e.get("OMP_WAIT_POLICY") for n, e in spawned.items()} == {"prefill-0": "PASSIVE", "decode-0": "PASSIVE"}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")   # the user's own setting wins
+    with pytest.raises(OSError):
+        c._spawn(c.workers[0])
+    assert "OMP_WAIT_POLICY" not in spawned["prefill-0"]
