@@ -105,6 +105,7 @@ class DecodeWorker:
                                              prefill_batch_tokens=(c.prefill_batch_tokens or default_batch_tokens(
                                                  c.device, c.max_num_batched_tokens))),
                              grammars=Grammars(tok, tok.stop_token_ids) if tok is not None else None)
+        self.gen.runner.borrowing = res.lending   # colocated prompt chunks may borrow an idle CPU
         if c.device != "cpu" and not c.enforce_eager:   # vLLM's default on a GPU: decode from CUDA graphs
             try:
                 seconds = self.gen.runner.enable_cuda_graphs(c.max_num_seqs)
@@ -463,6 +464,8 @@ class DecodeWorker:
                         self._housekeeping()
                         self._admit_arrived()
                     busy = self.gen.has_unfinished()
+                    if self.res.lending is not None:   # the CPU is lent while the loop waits
+                        self.res.lending.busy(busy)
                     if busy:
                         self._step()
             if busy:

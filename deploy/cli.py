@@ -68,7 +68,7 @@ def launcher_config(args: argparse.Namespace):
         threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
         grace_s=args.grace, serving_mode=args.serving_mode,
         colocated_threshold_tokens=args.colocated_threshold_tokens,
-        cpu_affinity=args.cpu_affinity, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
+        cpu_affinity=args.cpu_affinity, lend_idle_cpus=args.lend_idle_cpus, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="once up, send QUESTION through the OpenAI API and print the answer; keep serving")
     u.add_argument("--cpu-affinity", type=_cpu_list, default=(), metavar="CPU,CPU,...",
                    help="pin workers one CPU each, in order prefill-0.., decode-0.. (cycling)")
+    u.add_argument("--lend-idle-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --cpu-affinity giving each worker a CPU of its own: a worker's prompt chunks "
+                        "also run on the other workers' CPUs while those wait for work (worker.cpu_board)")
     u.set_defaults(func=_up)
     d = sub.add_parser("doctor", help="check this host's RDMA / GPU data plane and what auto would pick")
     d.add_argument("--json", action="store_true", help="machine-readable output")

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from router.serving import SERVING_MODES, check_mode
+from worker.cpu_board import CpuBoard
 
 # worker.config.TRANSFER_ENGINES, named here because deploy imports no torch (a test keeps them equal).
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs", "cuda_ipc")
@@ -78,6 +79,9 @@ class LauncherConfig:
         prefill_tp / decode_tp: the tensor parallel size of each prefill / decode worker in order
             (``--tensor-parallel-size``, `engine.tp`), the last repeating for the rest; any sizes
             the model's KV heads split over pair (`worker.tp_rank`).
+        lend_idle_cpus: with ``cpu_affinity`` giving every worker a CPU of its own (CPU workers
+            at TP 1), a worker's long passes (prompt chunks) also run on the other workers' CPUs
+            while those wait for work (`worker.cpu_board`; the board is ``<log_dir>/cpu-board``).
     """
 
     num_prefill: int = 1
@@ -101,6 +105,7 @@ class LauncherConfig:
     decode_tp: tuple[int, ...] = (1,)
     prefill_tp: tuple[int, ...] = (1,)
     device: str = "cpu"
+    lend_idle_cpus: bool = True
 
     def __post_init__(self) -> None:
         check_mode(self.serving_mode, self.colocated_threshold_tokens)
@@ -193,10 +198,17 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _pinned_child(cpu: int):
+LENDING_SPIN_COUNT = 10_000
+"""libgomp's spins at a barrier before it sleeps (``GOMP_SPINCOUNT``; its default, 300,000, is
+a few ms) for a worker that borrows CPUs: within a pass its threads meet again within
+microseconds, and after the pass a thread on a borrowed CPU spins no longer than ~0.1 ms beside
+that CPU's owner."""
+
+
+def _pinned_child(cpus: set[int]):
     def setup() -> None:  # runs in the child between fork and exec
         _die_with_parent()
-        os.sched_setaffinity(0, {cpu})
+        os.sched_setaffinity(0, cpus)
     return setup
 
 
@@ -215,6 +227,12 @@ class Cluster:
         self.workers = [Child(n, self._worker_argv(n), self.log_dir / f"{n}.log") for n in names]
         self.cpus: dict[str, int] = ({n: c.cpu_affinity[i % len(c.cpu_affinity)]
                                       for i, n in enumerate(names)} if c.cpu_affinity else {})
+        self.lent = self._lending()
+        self.board_path = self.log_dir / "cpu-board"
+        for w in self.workers:
+            if w.name in self.lent:
+                w.argv += ["--cpu-board", str(self.board_path),
+                           "--borrow-cpus", ",".join(map(str, sorted(self.lent[w.name])))]
         self._stopped = False
 
     @property
@@ -236,6 +254,16 @@ class Cluster:
         if c.model:
             argv += ["--model", c.model]
         return argv + list(c.router_args)
+
+    def _lending(self) -> dict[str, set[int]]:
+        """The CPUs each worker may borrow (`LauncherConfig.lend_idle_cpus`): every other
+        worker's, when each pinned CPU worker at TP 1 has a CPU of its own; else none."""
+        c = self.config
+        pinned = list(self.cpus.values())
+        if (not c.lend_idle_cpus or c.device != "cpu" or len(pinned) < 2 or len(set(pinned)) < len(pinned)
+                or any(self._tp(w.name) > 1 for w in self.workers)):
+            return {}
+        return {n: set(pinned) - {cpu} for n, cpu in self.cpus.items()}
 
     def _tp(self, name: str) -> int:
         sizes = self.config.decode_tp if name.startswith("decode") else self.config.prefill_tp
@@ -282,6 +310,8 @@ class Cluster:
         """Start everything and wait until every worker is connected. Raises `LaunchError`
         (after stopping whatever was started)."""
         try:
+            if self.lent:   # every CPU busy until its owner says it waits
+                CpuBoard.create(self.board_path, max(self.cpus.values()) + 1).close()
             self._spawn(self.router)
             for w in self.workers:
                 self._spawn(w)
@@ -293,15 +323,17 @@ class Cluster:
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if (child.name in self.oversubscribed()
-                and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)):
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+            if child.name in self.oversubscribed():
+                env["OMP_WAIT_POLICY"] = "PASSIVE"
+            elif child.name in self.lent:   # a borrowed CPU's thread stops spinning soon after its pass
+                env["GOMP_SPINCOUNT"] = str(LENDING_SPIN_COUNT)
         cpu = self.cpus.get(child.name)
         with open(child.log_path, "ab") as log:
             child.popen = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
-                preexec_fn=_die_with_parent if cpu is None else _pinned_child(cpu))
+                preexec_fn=_die_with_parent if cpu is None else _pinned_child({cpu} | self.lent.get(child.name, set())))
 
     def wait_ready(self) -> None:
         """Block until every worker is CONNECTED at the router. Raises `LaunchError`."""

@@ -103,6 +103,20 @@ def prefix_caching_conflict(config) -> str | None:
     return None
 
 
+class CpuBorrowing(Protocol):
+    """CPUs a runner may add threads on for one long pass while their owners are idle
+    (`worker.cpu_board.CpuLending`)."""
+
+    def take(self) -> int:
+        """Take the lent CPUs idle now for the coming pass; returns how many."""
+
+    def reclaimed(self) -> bool:
+        """Whether an owner of a CPU taken has work again."""
+
+    def give_back(self) -> None:
+        """End the pass's loan."""
+
+
 class ModelRunner:
     """Forward passes of one model over one KV pool (module doc for the call order).
 
@@ -119,6 +133,10 @@ class ModelRunner:
             for a thread that another process (the router, a client, a second worker) has
             descheduled from a shared core, while a long pass (a prompt chunk) gains (measured:
             docs/PERFORMANCE.md, "Threads per pass").
+        borrowing: a pass of at least ``parallel_min_tokens`` tokens also runs a thread on
+            each lent CPU idle when it starts (`CpuBorrowing.take`), until its owner has work
+            again (checked after each layer; the rest of the pass on the runner's own threads).
+            None: no lending (tensor-parallel and CUDA workers, unpinned ones).
     Raises:
         ValueError: ``prefix_caching`` with a rope type whose rotation depends on the sequence's
             length (`engine.models.rope.LENGTH_DEPENDENT`: a cached block's keys would carry the
@@ -126,7 +144,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, pool: KVPool, prefix_caching: bool = False,
-                 parallel_min_tokens: int = 0):
+                 parallel_min_tokens: int = 0, borrowing: CpuBorrowing | None = None):
         reason = prefix_caching_conflict(model.config)
         if prefix_caching and reason:
             raise ValueError(f"{reason}; run without --prefix-caching")
@@ -138,6 +156,7 @@ class ModelRunner:
         self.pool = pool
         self.prefix_caching = prefix_caching
         self.graphs = None   # `enable_cuda_graphs`
+        self.borrowing = borrowing
 
     def enable_cuda_graphs(self, max_batch: int) -> float:
         """Replay decode steps of up to ``max_batch`` sequences from CUDA graphs
@@ -242,17 +261,38 @@ class ModelRunner:
         the model's forward raises (the pass is then lost for every chunk in it).
         """
         batch = ForwardBatch.build([c for _, c in scheduled], self.pool.block_size)
-        self.set_pass_threads(batch.input_ids.numel())
+        threads = self.set_pass_threads(batch.input_ids.numel())
         logits = None
         if self.graphs is not None and on_layer_done is None:
             logits = self.graphs.run(batch)   # None: not a decode step its graphs cover
         if logits is None:
-            logits = self.model.forward(batch, self.pool, on_layer_done=on_layer_done)
+            borrowed = (self.borrowing.take() if self.borrowing is not None
+                        and batch.input_ids.numel() >= self.parallel_min_tokens else 0)
+            if not borrowed:
+                logits = self.model.forward(batch, self.pool, on_layer_done=on_layer_done)
+            else:
+                torch.set_num_threads(threads + borrowed)
+                try:
+                    logits = self.model.forward(batch, self.pool,
+                                                on_layer_done=self._while_lent(threads, on_layer_done))
+                finally:
+                    self.borrowing.give_back()
+                    torch.set_num_threads(threads)
         for (seq, chunk), (first, rows) in zip(scheduled, batch.logits_spans):
             if chunk.prompt_logits:
                 seq.prompt_logprobs += prompt_logprobs_of(logits[first:first + rows], seq.prompt_token_ids,
                                                           chunk.start, seq.params.prompt_logprobs)
         return batch.sampling_logits(logits)
+
+    def _while_lent(self, threads: int, on_layer_done: LayerCallback | None) -> LayerCallback:
+        """A pass's layer callback while it runs on borrowed CPUs: once an owner wants its CPU
+        back, the remaining layers run on the pass's own ``threads``."""
+        def after_layer(layer: int) -> None:
+            if torch.get_num_threads() != threads and self.borrowing.reclaimed():
+                torch.set_num_threads(threads)
+            if on_layer_done is not None:
+                on_layer_done(layer)
+        return after_layer
 
     def set_pass_threads(self, num_tokens: int) -> int:
         """Set torch's thread count for a pass of ``num_tokens`` tokens (``parallel_min_tokens``

@@ -72,7 +72,8 @@ class PrefillWorker:
         self.res = res
         c = res.config
         check_pool(res.loaded.model, res.pool)
-        self.runner = ModelRunner(res.loaded.model, res.pool, c.prefix_caching, c.parallel_min_tokens)
+        self.runner = ModelRunner(res.loaded.model, res.pool, c.prefix_caching, c.parallel_min_tokens,
+                                  borrowing=res.lending)
         self._lock = threading.Condition()
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}
@@ -286,6 +287,8 @@ class PrefillWorker:
                     for job in self._expire_queued():
                         self.sender.finish(job)   # no handles: retired at once, off this lock
                     batch = self._schedule()
+                    if self.res.lending is not None:   # the CPU is lent while the loop waits
+                        self.res.lending.busy(bool(batch))
                     if not batch:
                         self._lock.wait(0.25)
             if not batch:

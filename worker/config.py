@@ -74,6 +74,11 @@ class WorkerConfig:
             thread (a decode step's small operators gain nothing from a second thread and wait
             at each operator's barrier for a thread another process took off a shared core),
             longer ones on all ``threads`` (`engine.runner.ModelRunner`); 0: every pass on all.
+        cpu_board / borrow_cpus: lending idle CPUs between the workers of one host
+            (`worker.cpu_board`): the board file the launcher made, and the CPUs ("1,3") this
+            worker may add a thread on for a pass of at least ``parallel_min_tokens`` tokens while
+            their owners wait for work; its own CPUs, which it marks on the board, are the rest of
+            its affinity. Both empty: no lending. CPU workers at TP 1 only.
         transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
         transfer_port: port of the data-plane listener (0: ephemeral).
         max_write_bytes: largest single KV write (bytes); writes are split above it.
@@ -109,6 +114,8 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     parallel_min_tokens: int = 64
+    cpu_board: str = ""
+    borrow_cpus: str = ""
     transfer_engine: str = "auto"
     transfer_port: int = 0
     max_write_bytes: int = 4 << 20
@@ -139,6 +146,12 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.parallel_min_tokens < 0:
             raise ValueError(f"parallel_min_tokens must be >= 0, got {self.parallel_min_tokens}")
+        if bool(self.cpu_board) != bool(self.borrow_cpus):
+            raise ValueError("cpu_board and borrow_cpus go together (both or neither)")
+        if self.borrow_cpus:
+            self.lent_cpus()   # ValueError when malformed
+            if self.device != "cpu" or self.tensor_parallel_size > 1:
+                raise ValueError("borrow_cpus: CPU lending is for CPU workers at tensor parallel size 1")
         if self.prefill_batch_tokens < 0:
             raise ValueError(f"prefill_batch_tokens must be >= 0 (0: the device's default), "
                              f"got {self.prefill_batch_tokens}")
@@ -185,6 +198,16 @@ class WorkerConfig:
     @property
     def host_for_peers(self) -> str:
         return self.advertise_host or self.listen_host
+
+    def lent_cpus(self) -> tuple[int, ...]:
+        """``borrow_cpus`` as CPU numbers. Raises ValueError naming the field when malformed."""
+        try:
+            cpus = tuple(int(c) for c in self.borrow_cpus.split(",") if c.strip())
+        except ValueError:
+            raise ValueError(f"borrow_cpus must list CPU numbers like '1,3', got {self.borrow_cpus!r}") from None
+        if any(c < 0 for c in cpus):
+            raise ValueError(f"borrow_cpus must list CPU numbers >= 0, got {self.borrow_cpus!r}")
+        return cpus
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

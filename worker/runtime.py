@@ -37,6 +37,7 @@ from rpc import PROTOCOL_VERSION
 from rpc.auth import TLSFiles
 from rpc import pdserve_pb2 as pb
 from worker.config import WorkerConfig
+from worker.cpu_board import CpuBoard, CpuLending
 from worker.registration import RegistrationClient
 from worker.rpcserver import AioServer
 
@@ -95,6 +96,8 @@ class WorkerResources:
     """A tensor-parallel worker's ranks 1 .. N-1's endpoints (`worker.tp_rank`)."""
     rank_events: dict[str, Callable[..., None]] = dataclasses.field(default_factory=dict)
     """Handlers of the follower ranks' events, by kind: ``rank_events[msg[0]](rank, *msg[1:])``."""
+    lending: CpuLending | None = None
+    """This worker's side of the host's CPU board (`worker.cpu_board`), or None."""
 
     @property
     def tp_size(self) -> int:
@@ -120,6 +123,8 @@ class WorkerResources:
         self.lost.set()
 
     def close(self) -> None:
+        if self.lending is not None:
+            self.lending.close()
         self.transfer.close()
         close = getattr(self.loaded.model, "close", None)
         if close is not None:   # a tensor-parallel model: stop its rank processes
@@ -171,7 +176,8 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     transfer = create_engine(config.transfer_engine, engine_config, arrivals)
     region = transfer.register_memory(buffer[:nbytes], shared=shared)
     res = WorkerResources(config, loaded, cache, pool, KVLayout.from_tensor(pool.kv), transfer, region,
-                          compatibility_hash(loaded.config, cache, loaded.weights), shared)
+                          compatibility_hash(loaded.config, cache, loaded.weights), shared,
+                          lending=lending_of(config))
     if tp:
         _start_rank_data_planes(res, arrivals, engine_config)
     return res
@@ -264,6 +270,29 @@ class WorkerProcess:
         self.stopped.set()
 
 
+def lending_of(config: WorkerConfig) -> CpuLending | None:
+    """The worker's `CpuLending` when ``config`` names a CPU board: its own CPUs are its affinity
+    (the calling thread's) less the lent ones. Raises ValueError (none of its own left), OSError /
+    ValueError from the board."""
+    if not config.cpu_board:
+        return None
+    lent = set(config.lent_cpus())
+    own = set(os.sched_getaffinity(0)) - lent
+    if not own:
+        raise ValueError(f"borrow_cpus {sorted(lent)} leave this worker no CPU of its own")
+    return CpuLending(CpuBoard(config.cpu_board), own, lent)
+
+
+def pin_to_own_cpus(config: WorkerConfig) -> None:
+    """With CPU lending, keep the main thread and every thread started after this on the worker's
+    own CPUs (its affinity less the lent ones); the process was allowed the lent ones too, so
+    that libgomp counts them (`worker.cpu_board`)."""
+    if config.cpu_board:
+        own = set(os.sched_getaffinity(0)) - set(config.lent_cpus())
+        if own:
+            os.sched_setaffinity(0, own)
+
+
 T = TypeVar("T")
 
 
@@ -301,6 +330,7 @@ def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerProcess]) 
     refused the registration, 4 when the worker was lost (`WorkerResources.lose`)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.worker_id} %(levelname)s %(name)s: %(message)s")
     bound_native_memory(config.role)
+    pin_to_own_cpus(config)
     process = run_on_own_thread("worker-build", build, config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

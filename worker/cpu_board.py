@@ -1,0 +1,129 @@
+"""Lending idle CPUs between the workers of one host.
+
+Pinned one per CPU (``pdserve up --cpu-affinity``), a prefill and a decode worker each leave the
+other's CPU idle whenever one of them has nothing to do: at one request in flight the decode
+worker idles while the prompt is computed, and the prefill worker while the answer is decoded.
+A long pass (a prompt chunk) could run on both CPUs then (a second torch thread: 1.6-1.8x on this
+project's machines), but only then: a pass on two threads beside a busy neighbour is slower than
+on one (every operator ends at a barrier of its threads; docs/PERFORMANCE.md, "Threads per pass").
+
+The `CpuBoard` says which owned CPUs are busy. It is a small file mapped shared by every worker
+of the host (the launcher creates it), one byte per CPU: 1 while the CPU's owner has work, 0 while
+it waits for work. A CPU nobody marked stays busy. Owners write only their own CPUs' bytes;
+borrowers only read, so the board needs no lock (a stale read costs at most one layer, below).
+
+`CpuLending` is one worker's side of it:
+
+- as owner, `CpuLending.busy` marks its own CPUs when its loop finds work or waits for it;
+- as borrower, for a pass of at least ``parallel_min_tokens`` tokens (`engine.runner.ModelRunner`)
+  `CpuLending.take` takes the lent CPUs that are idle now: the calling thread's affinity widens
+  to them for the pass (the pass's extra OpenMP threads, created or woken by it, run there), and
+  `CpuLending.reclaimed` tells the runner at each layer whether an owner wants its CPU back,
+  when the pass drops to its own threads for the remaining layers. `CpuLending.give_back`
+  narrows the affinity again. A worker's other threads stay on its own CPUs.
+
+The worker's process is started with its own CPUs and the lent ones allowed (libgomp counts the
+CPUs it may use when torch loads, and spins at its barriers only while its threads fit them:
+docs/PERFORMANCE.md, "One OpenMP team per worker"), and `CpuLending.pin_to_own` then keeps the
+main thread, and every thread it starts, on the worker's own CPUs. Linux only
+(``os.sched_setaffinity`` of the calling thread).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+BUSY, IDLE = 1, 0
+
+
+class CpuBoard:
+    """Busy flags of the host's CPUs, ``num_cpus`` bytes of the file at ``path`` mapped shared.
+
+    Raises:
+        OSError: the file cannot be opened or mapped.
+        ValueError: the file is smaller than ``num_cpus`` bytes, or a CPU index is outside it.
+    """
+
+    def __init__(self, path: str | Path, num_cpus: int | None = None):
+        self.path = Path(path)
+        with open(self.path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 1 or (num_cpus is not None and size < num_cpus):
+                raise ValueError(f"CPU board {self.path} holds {size} CPUs, {num_cpus} needed")
+            self._map = mmap.mmap(f.fileno(), size)
+        self.num_cpus = size
+
+    @classmethod
+    def create(cls, path: str | Path, num_cpus: int) -> "CpuBoard":
+        """A new board of ``num_cpus`` CPUs, every one busy (owners mark theirs idle)."""
+        if num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1, got {num_cpus}")
+        Path(path).write_bytes(bytes([BUSY]) * num_cpus)
+        return cls(path, num_cpus)
+
+    def _check(self, cpu: int) -> int:
+        if not 0 <= cpu < self.num_cpus:
+            raise ValueError(f"CPU {cpu} is not on the board ({self.num_cpus} CPUs)")
+        return cpu
+
+    def mark(self, cpus: Iterable[int], busy: bool) -> None:
+        """Set ``cpus`` busy or idle."""
+        for c in cpus:
+            self._map[self._check(c)] = BUSY if busy else IDLE
+
+    def idle(self, cpus: Iterable[int]) -> list[int]:
+        """Those of ``cpus`` whose owner waits for work now."""
+        return [c for c in cpus if self._map[self._check(c)] == IDLE]
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class CpuLending:
+    """One worker's side of the board (module doc): ``own`` CPUs it marks, ``lent`` CPUs it may
+    borrow. Raises ValueError when the two overlap or ``own`` is empty."""
+
+    def __init__(self, board: CpuBoard, own: Iterable[int], lent: Iterable[int]):
+        self.board = board
+        self.own = frozenset(own)
+        self.lent = tuple(sorted(set(lent)))
+        if not self.own or self.own & set(self.lent):
+            raise ValueError(f"own CPUs {sorted(self.own)} must be non-empty and apart from lent {list(self.lent)}")
+        board.idle(self.own | set(self.lent))   # ValueError for a CPU outside the board
+        self._taken: list[int] = []
+        self._busy: bool | None = None
+
+    def pin_to_own(self) -> None:
+        """Keep the calling thread, and the threads it starts from now on, on the own CPUs."""
+        os.sched_setaffinity(0, self.own)
+
+    def busy(self, flag: bool) -> None:
+        """Mark the own CPUs busy (the loop has work) or idle (it waits for work)."""
+        if flag != self._busy:
+            self.board.mark(self.own, flag)
+            self._busy = flag
+
+    def take(self) -> int:
+        """Take the lent CPUs idle now for one pass; returns how many (0: none, nothing changed)."""
+        self._taken = self.board.idle(self.lent)
+        if self._taken:
+            os.sched_setaffinity(0, self.own | set(self._taken))
+        return len(self._taken)
+
+    def reclaimed(self) -> bool:
+        """Whether the owner of a CPU taken has work again."""
+        return bool(self._taken) and len(self.board.idle(self._taken)) < len(self._taken)
+
+    def give_back(self) -> None:
+        """End the pass's loan: the calling thread back on the own CPUs."""
+        if self._taken:
+            self._taken = []
+            os.sched_setaffinity(0, self.own)
+
+    def close(self) -> None:
+        """Mark the own CPUs busy (a worker gone lends nothing) and unmap the board."""
+        self.busy(True)
+        self.board.close()
