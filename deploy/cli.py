@@ -11,6 +11,7 @@ Every flag mirrors a config field; environment variables are not read here (see
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from deploy.launcher import TRANSFER_ENGINES, WEIGHT_MODES
@@ -68,7 +69,7 @@ def launcher_config(args: argparse.Namespace):
         threads=args.threads or 1, log_dir=args.log_dir, startup_timeout_s=args.startup_timeout,
         grace_s=args.grace, serving_mode=args.serving_mode,
         colocated_threshold_tokens=args.colocated_threshold_tokens,
-        cpu_affinity=args.cpu_affinity, lend_idle_cpus=args.lend_idle_cpus, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
+        cpu_affinity=default_affinity(args) if args.cpu_affinity is None else args.cpu_affinity, lend_idle_cpus=args.lend_idle_cpus, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
@@ -161,6 +162,19 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_affinity(args: argparse.Namespace) -> tuple[int, ...]:
+    """``pdserve up``'s pinning when ``--cpu-affinity`` is not given: each worker on a CPU of its
+    own, in start order, when every worker runs one torch thread on the CPU and this process may
+    use a CPU for each (then idle CPUs are lent, `worker.cpu_board`); otherwise none. Measured
+    against no pinning: docs/PERFORMANCE.md, "Lending idle CPUs"."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    workers = args.prefill + args.decode
+    if ((args.threads or 1) > 1 or args.device != "cpu" or args.prefill_tp > 1 or args.decode_tp > 1
+            or not 2 <= workers <= len(cpus)):
+        return ()
+    return tuple(cpus[:workers])
+
+
 def _cpu_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -230,8 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's placement policy (default: kv with prefix caching, load with --no-prefix-caching)")
     u.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once up, send QUESTION through the OpenAI API and print the answer; keep serving")
-    u.add_argument("--cpu-affinity", type=_cpu_list, default=(), metavar="CPU,CPU,...",
-                   help="pin workers one CPU each, in order prefill-0.., decode-0.. (cycling)")
+    u.add_argument("--cpu-affinity", type=_cpu_list, default=None, metavar="CPU,CPU,...",
+                   help="pin workers one CPU each, in order prefill-0.., decode-0.. (cycling); default: "
+                        "a CPU each when every worker runs one thread and there are CPUs enough; '' pins none")
     u.add_argument("--lend-idle-cpus", action=argparse.BooleanOptionalAction, default=True,
                    help="with --cpu-affinity giving each worker a CPU of its own: a worker's prompt chunks "
                         "also run on the other workers' CPUs while those wait for work (worker.cpu_board)")

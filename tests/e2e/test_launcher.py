@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,14 @@ def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
             model="my-smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert r.usage.completion_tokens >= 1
         assert len(_processes_mentioning(f"127.0.0.1:{registry_port}")) == 3  # router + 2 workers
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 2:   # a CPU of its own each, lent to the other while it waits for work
+            workers = sorted(set(_processes_mentioning("--cpu-board"))
+                             & set(_processes_mentioning(f"127.0.0.1:{registry_port}")))
+            assert len(workers) == 2 and (tmp_path / "cpu-board").exists()
+            mains = [re.search(r"^Cpus_allowed_list:\s*(\S+)$", Path(f"/proc/{pid}/status").read_text(), re.M)
+                     .group(1) for pid in workers]
+            assert sorted(mains) == [str(cpus[0]), str(cpus[1])]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
     finally:

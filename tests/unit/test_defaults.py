@@ -68,3 +68,20 @@ def test_pdserve_up_runs_eagerly_unless_told_otherwise():
     assert "--no-enforce-eager" not in launcher_config(build_parser().parse_args(["up"])).worker_args
     config = launcher_config(build_parser().parse_args(["up", "--no-enforce-eager"]))
     assert "--no-enforce-eager" in config.worker_args
+
+
+def test_pdserve_up_pins_each_one_thread_worker_to_a_cpu_of_its_own(monkeypatch):
+    """With a CPU for every worker, `pdserve up` pins them one each (and so lends idle CPUs,
+    `worker.cpu_board`); with more threads, TP ranks, too few CPUs or ``--cpu-affinity ''`` it
+    pins none, and an explicit list wins."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {2, 3, 5, 7})
+
+    def affinity(*argv):
+        return launcher_config(build_parser().parse_args(["up", *argv])).cpu_affinity
+
+    assert affinity() == (2, 3)
+    assert affinity("--prefill", "2", "--decode", "2") == (2, 3, 5, 7)
+    for argv in (("--threads", "2"), ("--decode-tp", "2"), ("--prefill", "3", "--decode", "2"),
+                 ("--cpu-affinity", "")):
+        assert affinity(*argv) == (), argv
+    assert affinity("--cpu-affinity", "5,7") == (5, 7)
