@@ -75,6 +75,8 @@ async def _storm(url: str, prompts: list[str], seed: int) -> list[dict]:
             await asyncio.sleep(rng.expovariate(20.0))
             if i % 10 == 0:   # never cut: some streams must finish under the storm, exact
                 seconds, chunk = 120.0, 10**9
+            elif i % 10 == 5:   # cut 20 ms after sending: before any first token, however fast
+                seconds, chunk = 0.02, 10**9
             elif i % 2:  # cut at a random time: queued, prefilling, transferring or streaming
                 seconds, chunk = rng.uniform(0.05, 2.0), 10**9
             else:      # cut after a few streamed chunks
