@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import torch
 
@@ -34,17 +33,9 @@ from engine.config import CacheConfig
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.runner import ModelRunner
+from worker.runtime import run_on_own_thread
 
 ROWS = ("alone", "beside a team")
-
-
-def _on_thread(fn):
-    """``fn()`` on a new thread (named ``bench-compute``) that has ended on return."""
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()), name="bench-compute")
-    t.start()
-    t.join()
-    return out[0]
 
 
 def main(argv=None) -> dict:
@@ -57,16 +48,16 @@ def main(argv=None) -> dict:
         print("error: needs at least 2 CPUs", file=sys.stderr)
         return {}
     torch.set_num_threads(1)   # the main thread makes no team while loading
-    loaded = _on_thread(lambda: load_model(None, weights=args.weights))
+    loaded = run_on_own_thread("bench-build", load_model, None, args.weights)
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=32 * 20, dtype=loaded.kv_dtype))
     torch.set_num_threads(2)
 
     def passes():
         return time_passes(ModelRunner(loaded.model, pool), pool, args.reps)
 
-    rows = {"alone": _on_thread(passes)}
+    rows = {"alone": run_on_own_thread("bench-compute", passes)}
     torch.ones(1 << 20).mul_(2)   # a parallel operator on the main thread: its team now lives
-    rows["beside a team"] = _on_thread(passes)
+    rows["beside a team"] = run_on_own_thread("bench-compute", passes)
     kinds = list(rows["alone"])
     print("| pass | " + " | ".join(ROWS) + " |")
     print("|---|" + "---|" * len(ROWS))

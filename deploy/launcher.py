@@ -228,6 +228,7 @@ class Cluster:
         self.cpus: dict[str, int] = ({n: c.cpu_affinity[i % len(c.cpu_affinity)]
                                       for i, n in enumerate(names)} if c.cpu_affinity else {})
         self.lent = self._lending()
+        self.passive = self.oversubscribed()
         self.board_path = self.log_dir / "cpu-board"
         for w in self.workers:
             if w.name in self.lent:
@@ -324,7 +325,7 @@ class Cluster:
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
-            if child.name in self.oversubscribed():
+            if child.name in self.passive:
                 env["OMP_WAIT_POLICY"] = "PASSIVE"
             elif child.name in self.lent:   # a borrowed CPU's thread stops spinning soon after its pass
                 env["GOMP_SPINCOUNT"] = str(LENDING_SPIN_COUNT)

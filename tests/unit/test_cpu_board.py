@@ -5,7 +5,6 @@ and gives back at the layer its owner wants the CPU again, and the launcher's pl
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from engine.runner import ModelRunner
 from tests.unit.test_engine_runner import BS, TINY, _model, _Seq
 from worker.config import WorkerConfig
 from worker.cpu_board import CpuBoard, CpuLending
+from worker.runtime import run_on_own_thread
 
 pytestmark = pytest.mark.unit
 
@@ -27,20 +27,7 @@ two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="lending needs 2 CPUs (this 
 
 def _on_thread(fn):
     """``fn()`` on a thread of its own: affinity changes stay off pytest's thread."""
-    out, err = [], []
-
-    def run():
-        try:
-            out.append(fn())
-        except BaseException as exc:   # noqa: BLE001 - re-raised below
-            err.append(exc)
-
-    t = threading.Thread(target=run, name="test-lending")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
-    return out[0]
+    return run_on_own_thread("test-lending", fn)
 
 
 def test_marks_are_seen_through_another_mapping(tmp_path):
