@@ -199,10 +199,10 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 LENDING_SPIN_COUNT = 10_000
-"""libgomp's spins at a barrier before it sleeps (``GOMP_SPINCOUNT``; its default, 300,000, is
-a few ms) for a worker that borrows CPUs: within a pass its threads meet again within
-microseconds, and after the pass a thread on a borrowed CPU spins no longer than ~0.1 ms beside
-that CPU's owner."""
+"""libgomp's spins at a barrier before it sleeps (``GOMP_SPINCOUNT``; libgomp's default is
+300,000) for a worker that borrows CPUs: within a pass its threads meet again quickly, and after
+the pass a thread on a borrowed CPU stops spinning beside that CPU's owner 30x sooner (measured:
+docs/PERFORMANCE.md, "Lending idle CPUs")."""
 
 
 def _pinned_child(cpus: set[int]):

@@ -3,8 +3,8 @@
 Pinned one per CPU (``pdserve up --cpu-affinity``), a prefill and a decode worker each leave the
 other's CPU idle whenever one of them has nothing to do: at one request in flight the decode
 worker idles while the prompt is computed, and the prefill worker while the answer is decoded.
-A long pass (a prompt chunk) could run on both CPUs then (a second torch thread: 1.6-1.8x on this
-project's machines), but only then: a pass on two threads beside a busy neighbour is slower than
+A long pass (a prompt chunk) could run on both CPUs then (a second torch thread; measured in
+docs/PERFORMANCE.md, "Lending idle CPUs"), but only then: a pass on two threads beside a busy neighbour is slower than
 on one (every operator ends at a barrier of its threads; docs/PERFORMANCE.md, "Threads per pass").
 
 The `CpuBoard` says which owned CPUs are busy. It is a small file mapped shared by every worker

@@ -303,9 +303,9 @@ def run_on_own_thread(name: str, fn: Callable[..., T], *args) -> T:
     Why: a worker builds its model and pool with parallel torch operators, and each thread that
     runs one becomes the master of an OpenMP team that lives as long as the thread does. With
     the build's team alive on the main thread beside the compute loop's own, libgomp manages more
-    threads than the process has CPUs and stops spinning at its barriers, which made every
-    two-thread forward pass of the loop ~1.35x slower (measured: docs/PERFORMANCE.md, "One
-    OpenMP team per worker"). Built on a thread that ends, the build's team ends with it, and
+    threads than the process has CPUs and stops spinning at its barriers, which slowed every
+    two-thread forward pass of the loop (measured: docs/PERFORMANCE.md, "One OpenMP team per
+    worker"). Built on a thread that ends, the build's team ends with it, and
     the compute loop's team is the process's only one.
     """
     out: list = []
