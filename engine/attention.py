@@ -383,6 +383,51 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         block_tables: torch.Tensor, lens: torch.Tensor, window: int | None = None,
+                         scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Decode attention written as torch indexing of the pool through the block table: no
+    gathered copy of any sequence's K/V is built when inductor compiles it (``torch.compile``
+    fuses the indexing into the score and output reductions); eagerly it is a slow reference.
+    The candidate CPU kernel for `_decode_attention` (measured against it: ``python -m
+    bench.decode_attention``, docs/PERFORMANCE.md "Decode attention through the block table");
+    not on the serving path.
+
+    Args:
+        q: ``[D, num_heads, head_dim]`` float, one query per sequence.
+        k_pool, v_pool: one layer's pool, ``[num_blocks, num_kv_heads, block_size, head_dim]``
+            (any float dtype; cast to ``q``'s inside the reductions).
+        block_tables: ``[D, max_blocks]`` int64; entries past a sequence's blocks may be any
+            valid block (they are masked).
+        lens: ``[D]`` int64, each sequence's context (tokens, the new one included), at most
+            ``max_blocks * block_size``.
+        window, scale, softcap: as `paged_attention` (query head ``h`` reads KV head
+            ``h // (num_heads / num_kv_heads)``, Hugging Face's ``repeat_kv``).
+    Returns:
+        ``[D, num_heads * head_dim]`` in ``q``'s dtype.
+    """
+    d, heads, dim = q.shape
+    kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
+    span = block_tables.shape[1] * block_size
+    pos = torch.arange(span, device=q.device)
+    blocks = block_tables[:, pos // block_size]                       # [D, span]
+    offsets = (pos % block_size)[None, :].expand(d, span)
+    qg = q.view(d, 1, kv_heads, heads // kv_heads, dim)
+    k = k_pool.permute(0, 2, 1, 3)[blocks, offsets]                   # [D, span, kv_heads, dim]
+    s = (qg * k[:, :, :, None, :].to(q.dtype)).sum(-1)               # [D, span, kv_heads, G]
+    s = s * (dim ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    hidden = pos[None, :] >= lens[:, None]
+    if window is not None:
+        hidden = hidden | (pos[None, :] < (lens - window)[:, None])
+    s = s.masked_fill(hidden[:, :, None, None], float("-inf"))
+    p = torch.softmax(s, dim=1)
+    v = v_pool.permute(0, 2, 1, 3)[blocks, offsets]                   # [D, span, kv_heads, dim]
+    out = (p[..., None] * v[:, :, :, None, :].to(q.dtype)).sum(1)    # [D, kv_heads, G, dim]
+    return out.reshape(d, heads * dim)
+
+
 def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
                       window: int | None = None, scale: float | None = None,
                       softcap: float | None = None) -> torch.Tensor:

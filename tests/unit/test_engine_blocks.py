@@ -184,3 +184,63 @@ def test_padded_prefill_equals_one_call_per_prompt():
     assert ForwardBatch.build([SeqChunk(list(range(40)), 0, list(range(5))), SeqChunk([1], 0, [6]),
                                SeqChunk([2], 0, [7])], block).plan_padded_prefill() is None
     assert batch.to(torch.device("meta")).prefill_pad is not None and batch.to(torch.device("cpu")).prefill_pad is None
+
+
+def _indexed_case(block: int, gen: torch.Generator):
+    """A decode batch over a head-major bfloat16 pool (ragged contexts, scattered tables,
+    grouped-query heads 6 over 2): ``(q, pool_k, pool_v, batch, lens)``."""
+    kv_heads, heads, dim = 2, 6, 16
+    pool_k = torch.randn(kv_heads, 64, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    pool_v = torch.randn(kv_heads, 64, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    contexts = [17, 5, 33, 33, 60, 1, 24]
+    per_seq = -(-max(contexts) // block)
+    tables = torch.randperm(64, generator=gen)[:len(contexts) * per_seq].view(len(contexts), per_seq).tolist()
+    chunks = [SeqChunk([1], n - 1, t[:-(-n // block)]) for n, t in zip(contexts, tables)]
+    q = torch.randn(len(contexts), heads, dim, generator=gen) * 3   # scores large enough to matter
+    return q, pool_k, pool_v, ForwardBatch.build(chunks, block), torch.tensor(contexts)
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 5.0), (9, 5.0)])
+def test_indexed_decode_attention_equals_the_grouped_path(block, window, softcap):
+    """`paged_decode_indexed` (the pool read through the block table by indexing) returns what the
+    serving path returns, with sliding windows shorter and longer than some contexts and with
+    soft-capping; a wrong window or cap changes its output (the comparison can fail)."""
+    from engine.attention import paged_attention, paged_decode_indexed
+
+    q, pool_k, pool_v, batch, lens = _indexed_case(block, torch.Generator().manual_seed(5))
+    want = paged_attention(q, None, None, pool_k, pool_v, batch, block, window=window, scale=0.3, softcap=softcap)
+    got = paged_decode_indexed(q, pool_k, pool_v, batch.block_tables, lens, window, 0.3, softcap)
+    assert got.shape == want.shape == (q.shape[0], q.shape[1] * q.shape[2])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    wrong = paged_decode_indexed(q, pool_k, pool_v, batch.block_tables, lens, (window or 40) - 7, 0.3,
+                                 None if softcap else 2.0)
+    assert (wrong - want).abs().max() > 1e-2
+
+
+def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_one_graph():
+    """Through ``torch.compile`` (inductor, batch and table width marked dynamic, as
+    `bench.decode_attention` runs it) the indexed kernel equals the serving path on two batches of
+    different sizes, block-table widths and contexts, compiling once (a worker's block size and
+    model shapes are fixed, so one graph serves all its decode steps)."""
+    from torch._dynamo.utils import counters
+
+    from engine.attention import paged_attention, paged_decode_indexed
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(paged_decode_indexed, dynamic=False)
+    block = 8
+    q_all, pool_k, pool_v, batch, lens_all = _indexed_case(block, torch.Generator().manual_seed(6))
+    # every row, 8 table columns; then the rows of at most 33 tokens, 5 columns
+    for rows, width in ((list(range(len(lens_all))), 8), ([0, 1, 2, 3, 6], 5)):
+        q, lens = q_all[rows], lens_all[rows]
+        tables = batch.block_tables[rows, :width].contiguous()
+        for t, dims in ((q, (0,)), (tables, (0, 1)), (lens, (0,))):
+            for dim in dims:
+                torch._dynamo.mark_dynamic(t, dim)
+        sub = ForwardBatch.build([SeqChunk([1], int(n) - 1, tables[i, :-(-int(n) // block)])
+                                  for i, n in enumerate(lens)], block)
+        want = paged_attention(q, None, None, pool_k, pool_v, sub, block)
+        torch.testing.assert_close(compiled(q, pool_k, pool_v, tables, lens), want, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
