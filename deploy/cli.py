@@ -56,6 +56,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def attention_backend(args: argparse.Namespace) -> str:
+    """``--attention-backend`` as given, else ``auto`` when every worker runs at tensor parallel
+    size 1 (the compiled kernel does not run sharded), else ``grouped``."""
+    if args.attention_backend is not None:
+        return args.attention_backend
+    return "auto" if args.decode_tp == 1 and args.prefill_tp == 1 else "grouped"
+
+
 def launcher_config(args: argparse.Namespace):
     """The `deploy.launcher.LauncherConfig` that ``pdserve up`` flags describe.
     Raises ValueError for settings that do not fit together (`LauncherConfig`)."""
@@ -71,7 +79,8 @@ def launcher_config(args: argparse.Namespace):
         colocated_threshold_tokens=args.colocated_threshold_tokens,
         cpu_affinity=default_affinity(args) if args.cpu_affinity is None else args.cpu_affinity, lend_idle_cpus=args.lend_idle_cpus, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
-        + (() if args.enforce_eager else ("--no-enforce-eager",)),
+        + (() if args.enforce_eager else ("--no-enforce-eager",))
+        + ("--attention-backend", attention_backend(args)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
 
 
@@ -240,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs its layers as torch.compile graphs built at start-up (engine.compiled; "
                         "no faster on the CPU, measured: docs/PERFORMANCE.md, 'Compiled layers'), and "
                         "with --device cuda a decode worker replays its decode steps from CUDA graphs")
+    u.add_argument("--attention-backend", default=None, choices=["auto", "grouped", "compiled"],
+                   help="CPU decode workers' decode attention: compiled (the pool read through the block "
+                        "table by a torch.compile kernel built at start-up; engine.attention.CompiledDecode; "
+                        "measured: docs/PERFORMANCE.md, 'Decode attention through the block table'), grouped "
+                        "(K/V gathered per group and attended by SDPA), or auto (compiled where inductor "
+                        "can build it, else grouped with a warning); default: auto at tensor parallel size "
+                        "1, grouped with TP")
     u.add_argument("--policy", default=None, choices=["load", "kv", "round_robin"],
                    help="the router's placement policy (default: kv with prefix caching, load with --no-prefix-caching)")
     u.add_argument("--ask", default=None, metavar="QUESTION",

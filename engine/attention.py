@@ -88,6 +88,25 @@ class ForwardBatch:
     decode_lens_t: torch.Tensor | None = None
     prefill_pad: tuple[int, torch.Tensor] | None = None
     _decode_biases: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _indexed_inputs: tuple | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def indexed_decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_tables, lens)`` of the one-token sequences for `CompiledDecode`, at least two
+        rows and two columns (a lone row repeated, a lone column followed by a copy of itself:
+        positions past a row's context are masked), ``[R, W]`` and ``[R]`` int64 on the tables'
+        device. Built once per batch and reused by every layer."""
+        if self._indexed_inputs is None:
+            tables = self.block_tables
+            lens = torch.tensor(self.decode_lens, dtype=torch.long, device=tables.device)
+            if tables.shape[1] == 1:
+                tables = torch.cat([tables, tables], dim=1)
+            if tables.shape[0] == 1:
+                tables, lens = tables.expand(2, -1), lens.expand(2)
+            # always new tensors, made here: under a model's inference mode all of them are
+            # inference tensors, so padded and unpadded batches meet the same guards (one graph)
+            self._indexed_inputs = (tables.clone(memory_format=torch.contiguous_format),
+                                    lens.clone(memory_format=torch.contiguous_format))
+        return self._indexed_inputs
 
     def decode_bias(self, group: "DecodeGroup", window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """``group``'s attention bias in ``dtype``: ``[rows, 1, 1, span]``, -inf past each row's
@@ -279,7 +298,7 @@ class DecodeGroup:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                     block_size: int, window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, decode_kernel: "CompiledDecode | None" = None) -> torch.Tensor:
     """Attention of the new tokens, after their K/V have been written into the pool.
 
     Args:
@@ -295,18 +314,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         softcap: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
             ``attn_logit_softcapping``, Hugging Face ``modeling_gemma2.eager_attention_forward``);
             computed eagerly, since SDPA has no such hook.
+        decode_kernel: on the CPU, the one-token sequences' attention through this `CompiledDecode`
+            instead of the grouped path when they are at least its ``min_rows``
+            (``--attention-backend compiled``).
     Returns:
         ``[T, num_heads * head_dim]`` in ``q``'s dtype.
     """
     if batch.is_decode:
-        return _decode_attention(q, k_pool, v_pool, batch, block_size, window, scale, softcap)
+        return _decode_attention(q, k_pool, v_pool, batch, block_size, window, scale, softcap, decode_kernel)
     pad = batch.prefill_pad
     if pad is not None and softcap is None and (window is None or pad[0] <= window):
         return _padded_prefill(q, k, v, pad, len(batch.seq_ranges), scale)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if batch.decode_rows is not None:
         out[batch.decode_rows] = _decode_attention(q.index_select(0, batch.decode_rows), k_pool, v_pool,
-                                                   batch, block_size, window, scale, softcap)
+                                                   batch, block_size, window, scale, softcap, decode_kernel)
     for first, n, ctx, blocks in batch.seq_ranges:
         if n == 1 and batch.decode_rows is not None:
             continue   # done above
@@ -389,9 +411,9 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     """Decode attention written as torch indexing of the pool through the block table: no
     gathered copy of any sequence's K/V is built when inductor compiles it (``torch.compile``
     fuses the indexing into the score and output reductions); eagerly it is a slow reference.
-    The candidate CPU kernel for `_decode_attention` (measured against it: ``python -m
-    bench.decode_attention``, docs/PERFORMANCE.md "Decode attention through the block table");
-    not on the serving path.
+    The CPU decode kernel of ``--attention-backend compiled`` (`CompiledDecode`; measured against
+    the grouped path: ``python -m bench.decode_attention``, docs/PERFORMANCE.md "Decode attention
+    through the block table").
 
     Args:
         q: ``[D, num_heads, head_dim]`` float, one query per sequence.
@@ -428,14 +450,66 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     return out.reshape(d, heads * dim)
 
 
+class CompiledDecode:
+    """`paged_decode_indexed` through ``torch.compile`` (inductor): the CPU decode-attention
+    kernel of a worker started with ``--attention-backend compiled``; K/V are read from the pool
+    through the block table, never gathered into a copy (measured against the grouped path:
+    docs/PERFORMANCE.md, "Decode attention through the block table").
+
+    One graph serves every decode batch of one pool: the batch size and the block table's width
+    are marked dynamic, and a batch of one row or a table of one column is padded to two (torch
+    specializes sizes 0 and 1, which would build three more graphs). The graph is built for a
+    thread count and torch guards on it, so the kernel always runs on one thread (the calling
+    thread's count is set back afterwards). A new pool (its shape), dtype, window, scale or
+    soft-cap builds another graph. A model's ``warm_up`` builds it before the first request.
+    Inductor compiles in the calling process (``compile_threads = 1``: no compile workers).
+
+    Raises (from the first call): ``torch._inductor`` / ``torch._dynamo`` errors when inductor
+    cannot build CPU code (no C++ compiler); `worker.runtime` turns that into a refusal to start.
+    """
+
+    def __init__(self, min_rows: int = 4):
+        """``min_rows``: decode batches of fewer one-token sequences keep the grouped path, where
+        this kernel's fixed cost per call (guards, padding) outweighs its gain (measured:
+        docs/PERFORMANCE.md, "Decode attention through the block table")."""
+        import torch._inductor.config as inductor_config
+
+        self.min_rows = min_rows
+
+        inductor_config.compile_threads = 1   # compile in this process: no pool of compile workers left running
+        self._fn = torch.compile(paged_decode_indexed, dynamic=False)
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
+                 window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
+        """``q`` ``[D, heads, head_dim]`` (the batch's one-token sequences, in `ForwardBatch`
+        order) over one layer's pool -> ``[D, heads * head_dim]`` in ``q``'s dtype."""
+        tables, lens = batch.indexed_decode_inputs()
+        rows = q.shape[0]
+        if rows == 1:
+            q = q.expand(2, -1, -1)
+        q = q.contiguous()
+        for t, dims in ((q, (0,)), (tables, (0, 1)), (lens, (0,))):
+            for dim in dims:
+                torch._dynamo.mark_dynamic(t, dim)
+        threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)
+        try:
+            out = self._fn(q, k_pool, v_pool, tables, lens, window, scale, softcap)
+        finally:
+            if threads != 1:
+                torch.set_num_threads(threads)
+        return out[:rows]
+
+
 def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
                       window: int | None = None, scale: float | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, kernel: "CompiledDecode | None" = None) -> torch.Tensor:
     """One query per sequence, over its gathered K/V (``q``: ``[D, num_heads, head_dim]``;
     returns ``[D, num_heads * head_dim]``); with ``window``, over its last ``window`` positions.
 
     On CUDA with Triton: `engine.triton_attention.paged_decode`, straight from the pool through the
-    block table. Otherwise:
+    block table. On the CPU with ``kernel``: `CompiledDecode`, likewise. Otherwise:
     the G = num_heads / num_kv_heads query heads sharing a KV head (grouped-query attention; Hugging
     Face's ``repeat_kv`` maps query head ``h`` to KV head ``h // G``) attend as G query rows of
     that KV head, so K/V are never expanded. Per `DecodeGroup` (on the CPU; one group on other
@@ -445,6 +519,8 @@ def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
     batch at once: docs/PERFORMANCE.md, "Grouped decode attention").
     """
     b, heads, dim = q.shape
+    if kernel is not None and q.device.type == "cpu" and b >= kernel.min_rows:
+        return kernel(q, k_pool, v_pool, batch, window, scale, softcap)
     if batch.decode_lens_t is not None:   # set off the CPU (`ForwardBatch.to`)
         from engine import triton_attention
 

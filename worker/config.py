@@ -15,6 +15,7 @@ from rpc.auth import DEV_SECRET, read_secret
 
 ROLES = ("prefill", "decode")
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs", "cuda_ipc")
+ATTENTION_BACKENDS = ("grouped", "compiled", "auto")
 # KV pool blocks per role when --num-blocks is not given. A decode worker holds every running
 # sequence's KV (2048 blocks: 32 sequences of 1,024 tokens). A prefill worker holds a prompt
 # from its pass until its KV is sent, plus the prefix cache: 1024 blocks fit two prompts of the
@@ -70,6 +71,13 @@ class WorkerConfig:
             (`engine.compiled`: ``torch.compile``, built at start-up, their build time logged,
             inductor's caches on disk so a restart reuses them), and on a GPU a decode worker
             replays its decode steps from CUDA graphs (`engine.cuda_graphs`).
+        attention_backend: a CPU decode worker's decode attention: "grouped" (each group of
+            sequences' K/V gathered, cast and attended by SDPA), or "compiled"
+            (`engine.attention.CompiledDecode`: the pool read through the block table by a
+            ``torch.compile`` kernel, built at start-up with its time logged; needs a C++
+            compiler for inductor: refused to start without one), or "auto" (compiled where it
+            builds, else grouped with a warning saying why; ``pdserve up``'s default). Prefill
+            workers and CUDA pools (Triton) ignore it.
         parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
             thread (a decode step's small operators gain nothing from a second thread and wait
             at each operator's barrier for a thread another process took off a shared core),
@@ -113,6 +121,7 @@ class WorkerConfig:
     threads: int = 1
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
+    attention_backend: str = "grouped"
     parallel_min_tokens: int = 64
     cpu_board: str = ""
     borrow_cpus: str = ""
@@ -144,6 +153,11 @@ class WorkerConfig:
                      "max_write_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend != "grouped" and self.tensor_parallel_size > 1:
+            raise ValueError(f"attention_backend {self.attention_backend} runs at tensor parallel size 1 only; "
+                             f"use grouped")
         if self.parallel_min_tokens < 0:
             raise ValueError(f"parallel_min_tokens must be >= 0, got {self.parallel_min_tokens}")
         if bool(self.cpu_board) != bool(self.borrow_cpus):

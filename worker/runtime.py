@@ -23,6 +23,7 @@ from typing import Callable, Protocol, TypeVar
 import grpc
 import torch
 
+from engine.attention import CompiledDecode
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
@@ -133,6 +134,32 @@ class WorkerResources:
             self.shared.close()
 
 
+def _set_decode_kernel(config: WorkerConfig, model, pool: KVPool) -> None:
+    """A CPU decode worker's decode attention (``config.attention_backend``): "compiled" and
+    "auto" give the model an `engine.attention.CompiledDecode` and build its graph now, its time
+    logged. When inductor cannot build it here (no C++ compiler, say), "compiled" refuses to start
+    (ValueError naming the cause) and "auto" logs a warning with the cause and keeps the grouped
+    path. Prefill workers, CUDA pools (Triton), compiled layers (``--no-enforce-eager``) and
+    "grouped" change nothing."""
+    if (config.attention_backend == "grouped" or config.role != "decode" or config.device != "cpu"
+            or not config.enforce_eager):   # compiled layers attend through their own custom operator
+        return
+    model.decode_kernel = CompiledDecode()
+    try:
+        seconds = model.warm_up(pool)
+    except Exception as exc:   # inductor's own errors
+        model.decode_kernel = None
+        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if config.attention_backend == "compiled":
+            raise ValueError(f"--attention-backend compiled: the kernel could not be built here ({cause}); "
+                             f"use --attention-backend grouped") from exc
+        log.warning("decode attention: grouped (--attention-backend auto could not build the compiled "
+                    "kernel here: %s)", cause)
+        return
+    log.info("decode attention: compiled (engine.attention.CompiledDecode), built in %.1f s (inductor's cache: %s)",
+             seconds, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
+
+
 def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None,
                     loaded: LoadedModel | None = None) -> WorkerResources:
     """Load the model and set up the pool + transfer engine (see module docstring).
@@ -164,6 +191,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     if tp:   # the followers' pools: in shared memory as rank 0's
         loaded.model.call("kv_buffer", shared is not None)
     pool = make_pool(loaded, cache, buffer)
+    _set_decode_kernel(config, loaded.model, pool)
     if not config.enforce_eager:
         seconds = loaded.model.warm_up(pool)
         log.info("compiled the model's layers in %.1f s (inductor's cache: %s)", seconds,

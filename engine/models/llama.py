@@ -140,6 +140,9 @@ class LlamaModel:
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
         self._compiled_layers = None
+        self.decode_kernel = None
+        """`engine.attention.CompiledDecode` for the CPU decode attention (``--attention-backend
+        compiled``, set by `worker.runtime`); None: the grouped path."""
         if compiled:
             self._compile()
 
@@ -175,7 +178,7 @@ class LlamaModel:
             if on_layer_done is not None:   # the layer's K/V are in the pool
                 on_layer_done(i)
             return paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, self._windows[i],
-                                   self.config.attn_scale, self.config.attn_softcap)
+                                   self.config.attn_scale, self.config.attn_softcap, self.decode_kernel)
 
         if self._compiled_layers is None:
             return self._layers_forward(batch.input_ids, tables, batch.logits_indices, attend)
@@ -258,8 +261,10 @@ class LlamaModel:
         """With compiled layers, build their graphs now rather than at the first requests: one
         pass of each shape kind (one token; one prompt of several tokens; two one-token
         sequences) over two blocks of ``pool`` taken and given back. Returns the seconds it took
-        (0.0 when eager). Raises ValueError when ``pool`` has fewer than two free blocks."""
-        if self._compiled_layers is None:
+        (0.0 when eager). With a `decode_kernel` (`engine.attention.CompiledDecode`), its graph
+        too, by a decode pass of as many sequences as it takes (its ``min_rows``). Raises ValueError when ``pool`` has fewer than two
+        free blocks."""
+        if self._compiled_layers is None and self.decode_kernel is None:
             return 0.0
         bs = pool.block_size
         blocks = pool.allocator.try_allocate(2)
@@ -267,8 +272,9 @@ class LlamaModel:
             raise ValueError("warming up the compiled layers needs 2 free KV blocks")
         t0 = time.perf_counter()
         try:
+            rows = 2 if self.decode_kernel is None else max(2, self.decode_kernel.min_rows)
             for chunks in ([SeqChunk([1], 0, blocks[:1])], [SeqChunk([1] * min(bs, 4), 0, blocks[:1])],
-                           [SeqChunk([1], 1, blocks[:1]), SeqChunk([1], 1, blocks[1:])]):
+                           [SeqChunk([1], 1, blocks[i % 2:i % 2 + 1]) for i in range(rows)]):
                 self.forward(ForwardBatch.build(chunks, bs), pool)
         finally:
             pool.allocator.free(blocks)

@@ -34,7 +34,8 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
     """README's run command, on the default model under a file name of its own: the model is
-    served under that name and ``--ask`` asks it (the name ``/v1/models`` lists)."""
+    served under that name and ``--ask`` asks it (the name ``/v1/models`` lists); the decode worker
+    attends through the compiled kernel (``--attention-backend auto``)."""
     from engine.modelfile import default_model_path
 
     model = tmp_path / "models" / "my-smollm2.gguf"
@@ -77,6 +78,10 @@ def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
             proc.wait()
     assert _processes_mentioning(f"127.0.0.1:{registry_port}") == []
     assert {p.name for p in tmp_path.iterdir()} >= {"router.log", "prefill-0.log", "decode-0.log"}
+    # the default decode attention reads the pool through the block table (auto: a C++ compiler is
+    # here, as on every machine of this project); the prefill worker builds no such kernel
+    assert "decode attention: compiled" in (tmp_path / "decode-0.log").read_text()
+    assert "decode attention" not in (tmp_path / "prefill-0.log").read_text()
 
 
 def test_worker_that_does_not_come_up_is_named_with_its_log(tmp_path):

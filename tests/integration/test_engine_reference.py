@@ -80,13 +80,23 @@ def test_prompt_logits_match_transformers(smollm, hf_model, reference):
     assert pool.allocator.num_free == 64
 
 
-def test_greedy_continuous_batch_matches_transformers(smollm, reference):
-    """8 prompts, 64 tokens each, staggered arrivals, chunked prefill of the long prompt."""
+@pytest.mark.parametrize("decode_attention", ["grouped", "compiled"])
+def test_greedy_continuous_batch_matches_transformers(smollm, reference, decode_attention):
+    """8 prompts, 64 tokens each, staggered arrivals, chunked prefill of the long prompt; decode
+    attention on the grouped path and through the compiled kernel (`engine.attention.CompiledDecode`,
+    ``--attention-backend compiled``), whose steps then include mixed passes (a prompt chunk beside
+    decoding sequences)."""
+    from engine.attention import CompiledDecode
+
     prompts, expected = reference
     assert max(len(p) for p in prompts) > 64  # the long prompt is prefilled in several chunks
     gen = _generator(smollm)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    results = gen.generate(prompts, params, arrival_steps=[0, 0, 2, 5, 9, 14, 20, 27])
+    smollm.model.decode_kernel = CompiledDecode() if decode_attention == "compiled" else None
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        results = gen.generate(prompts, params, arrival_steps=[0, 0, 2, 5, 9, 14, 20, 27])
+    finally:
+        smollm.model.decode_kernel = None
     for i, (res, want) in enumerate(zip(results, expected)):
         assert res.token_ids == want, f"prompt {i} diverged"
     assert gen.num_free_blocks == 512

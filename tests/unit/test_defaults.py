@@ -70,6 +70,24 @@ def test_pdserve_up_runs_eagerly_unless_told_otherwise():
     assert "--no-enforce-eager" in config.worker_args
 
 
+def test_pdserve_up_asks_for_the_compiled_decode_attention_where_it_can_run():
+    """`pdserve up` gives its workers ``--attention-backend auto`` (compiled where inductor builds
+    it) unless told otherwise, and ``grouped`` with tensor parallelism; a worker's own default is
+    grouped, and it refuses an unknown backend and a compiled one with tensor parallelism."""
+    def backend(*argv):
+        args = launcher_config(build_parser().parse_args(["up", *argv])).worker_args
+        return args[args.index("--attention-backend") + 1]
+
+    assert backend() == "auto"
+    assert backend("--attention-backend", "grouped") == "grouped"
+    assert backend("--decode-tp", "2") == "grouped"
+    assert WorkerConfig(role="decode").attention_backend == "grouped"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        WorkerConfig(role="decode", attention_backend="flash")
+    with pytest.raises(ValueError, match="tensor parallel size 1"):
+        WorkerConfig(role="decode", attention_backend="auto", tensor_parallel_size=2)
+
+
 def test_pdserve_up_pins_each_one_thread_worker_to_a_cpu_of_its_own(monkeypatch):
     """With a CPU for every worker, `pdserve up` pins them one each (and so lends idle CPUs,
     `worker.cpu_board`); with more threads, TP ranks, too few CPUs or ``--cpu-affinity ''`` it

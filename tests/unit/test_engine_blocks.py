@@ -244,3 +244,69 @@ def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_o
         want = paged_attention(q, None, None, pool_k, pool_v, sub, block)
         torch.testing.assert_close(compiled(q, pool_k, pool_v, tables, lens), want, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_model_decodes_through_the_compiled_kernel_as_through_the_grouped_path():
+    """A tiny model's decode steps (ragged contexts, a batch of one, a mixed pass of a prompt
+    chunk beside one-token sequences) give the same logits through `CompiledDecode` as through
+    the grouped path, its warm-up builds the graph and every step after it reuses that graph, and
+    the caller's thread count is left as it was."""
+    from torch._dynamo.utils import counters
+
+    from engine.attention import CompiledDecode
+    from tests.unit.test_engine_runner import TINY, _model
+
+    model = _model(4)
+    pool = KVPool(TINY, CacheConfig(block_size=4, num_blocks=64))
+    prompts = [[3 + i] * n for i, n in enumerate([5, 13, 2, 9])]
+    tables = [pool.allocator.allocate(6) for _ in prompts]
+
+    def steps():
+        outs = []
+        for p, t in zip(prompts, tables):
+            model.forward(ForwardBatch.build([SeqChunk(p, 0, t)], 4), pool)
+        for step in range(3):
+            chunks = [SeqChunk([7 + step], len(p) + step, t) for p, t in zip(prompts, tables)]
+            outs.append(model.forward(ForwardBatch.build(chunks, 4), pool))
+            outs.append(model.forward(ForwardBatch.build(chunks[:1], 4), pool))
+        mixed = [SeqChunk([9, 8, 7], 0, tables[0][:1]), SeqChunk([5], len(prompts[1]) + 3, tables[1])]
+        outs.append(model.forward(ForwardBatch.build(mixed, 4), pool))
+        return outs
+
+    want = steps()
+    torch._dynamo.reset()
+    counters.clear()
+    model.decode_kernel = CompiledDecode(min_rows=1)   # a lone row too (padded to two)
+    try:
+        assert model.warm_up(pool) > 0
+        assert counters["stats"]["unique_graphs"] == 1
+        threads = torch.get_num_threads()
+        got = steps()
+        assert torch.get_num_threads() == threads
+    finally:
+        model.decode_kernel = None
+    assert counters["stats"]["unique_graphs"] == 1
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_batches_below_the_kernels_min_rows_keep_the_grouped_path():
+    """`CompiledDecode` runs only for decode batches of at least ``min_rows`` sequences (its fixed
+    cost per call outweighs its gain below); its compiled function is replaced here by an eager
+    counting stand-in, since what is checked is the dispatch, not the graph."""
+    from engine.attention import CompiledDecode, paged_decode_indexed
+    from tests.unit.test_engine_runner import TINY, _model
+
+    model = _model(4)
+    pool = KVPool(TINY, CacheConfig(block_size=4, num_blocks=16))
+    kernel = CompiledDecode(min_rows=3)
+    calls = []
+    kernel._fn = lambda *args: calls.append(args[0].shape[0]) or paged_decode_indexed(*args)
+    model.decode_kernel = kernel
+    tables = [pool.allocator.allocate(2) for _ in range(3)]
+    for t in tables:
+        model.forward(ForwardBatch.build([SeqChunk([5, 6, 7], 0, t)], 4), pool)
+    model.forward(ForwardBatch.build([SeqChunk([1], 3, t) for t in tables[:2]], 4), pool)
+    assert calls == []
+    model.forward(ForwardBatch.build([SeqChunk([1], 3, t) for t in tables], 4), pool)
+    assert calls == [3] * TINY.num_layers
