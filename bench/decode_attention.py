@@ -11,7 +11,7 @@ holds it, float32 queries, tables scattered over the pool), median milliseconds 
 
 - ``grouped``: `engine.attention.paged_attention` as a decode step calls it on the CPU
   (`_decode_attention`: per `DecodeGroup`, K/V gathered, cast and attended by SDPA);
-- ``indexed, compiled``: `engine.attention.paged_decode_indexed` through ``torch.compile``
+- ``indexed, compiled``: `engine.paged_decode.paged_decode_indexed` through ``torch.compile``
   (inductor), the batch size and the table width marked dynamic, so one graph serves every batch
   and context; its first call's seconds (the compile, or a load from inductor's cache on disk) are
   reported apart.
@@ -27,7 +27,8 @@ import time
 import torch
 
 from bench.common import arg_parser, median_time, write_json
-from engine.attention import ForwardBatch, SeqChunk, paged_attention, paged_decode_indexed
+from engine.attention import ForwardBatch, SeqChunk, paged_attention
+from engine.paged_decode import paged_decode_indexed
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

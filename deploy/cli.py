@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --device cuda a decode worker replays its decode steps from CUDA graphs")
     u.add_argument("--attention-backend", default=None, choices=["auto", "grouped", "compiled"],
                    help="CPU decode workers' decode attention: compiled (the pool read through the block "
-                        "table by a torch.compile kernel built at start-up; engine.attention.CompiledDecode; "
+                        "table by a torch.compile kernel built at start-up; engine.paged_decode.CompiledDecode; "
                         "measured: docs/PERFORMANCE.md, 'Decode attention through the block table'), grouped "
                         "(K/V gathered per group and attended by SDPA), or auto (compiled where inductor "
                         "can build it, else grouped with a warning); default: auto at tensor parallel size "

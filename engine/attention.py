@@ -298,7 +298,7 @@ class DecodeGroup:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                     block_size: int, window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None, decode_kernel: "CompiledDecode | None" = None) -> torch.Tensor:
+                    softcap: float | None = None, decode_kernel: "engine.paged_decode.CompiledDecode | None" = None) -> torch.Tensor:
     """Attention of the new tokens, after their K/V have been written into the pool.
 
     Args:
@@ -315,7 +315,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``attn_logit_softcapping``, Hugging Face ``modeling_gemma2.eager_attention_forward``);
             computed eagerly, since SDPA has no such hook.
         decode_kernel: on the CPU, the one-token sequences' attention through this `CompiledDecode`
-            instead of the grouped path when they are at least its ``min_rows``
+            (`engine.paged_decode`) instead of the grouped path when they are at least its ``min_rows``
             (``--attention-backend compiled``).
     Returns:
         ``[T, num_heads * head_dim]`` in ``q``'s dtype.
@@ -405,111 +405,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
-def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         block_tables: torch.Tensor, lens: torch.Tensor, window: int | None = None,
-                         scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Decode attention written as torch indexing of the pool through the block table: no
-    gathered copy of any sequence's K/V is built when inductor compiles it (``torch.compile``
-    fuses the indexing into the score and output reductions); eagerly it is a slow reference.
-    The CPU decode kernel of ``--attention-backend compiled`` (`CompiledDecode`; measured against
-    the grouped path: ``python -m bench.decode_attention``, docs/PERFORMANCE.md "Decode attention
-    through the block table").
-
-    Args:
-        q: ``[D, num_heads, head_dim]`` float, one query per sequence.
-        k_pool, v_pool: one layer's pool, ``[num_blocks, num_kv_heads, block_size, head_dim]``
-            (any float dtype; cast to ``q``'s inside the reductions).
-        block_tables: ``[D, max_blocks]`` int64; entries past a sequence's blocks may be any
-            valid block (they are masked).
-        lens: ``[D]`` int64, each sequence's context (tokens, the new one included), at most
-            ``max_blocks * block_size``.
-        window, scale, softcap: as `paged_attention` (query head ``h`` reads KV head
-            ``h // (num_heads / num_kv_heads)``, Hugging Face's ``repeat_kv``).
-    Returns:
-        ``[D, num_heads * head_dim]`` in ``q``'s dtype.
-    """
-    d, heads, dim = q.shape
-    kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
-    span = block_tables.shape[1] * block_size
-    pos = torch.arange(span, device=q.device)
-    blocks = block_tables[:, pos // block_size]                       # [D, span]
-    offsets = (pos % block_size)[None, :].expand(d, span)
-    qg = q.view(d, 1, kv_heads, heads // kv_heads, dim)
-    k = k_pool.permute(0, 2, 1, 3)[blocks, offsets]                   # [D, span, kv_heads, dim]
-    s = (qg * k[:, :, :, None, :].to(q.dtype)).sum(-1)               # [D, span, kv_heads, G]
-    s = s * (dim ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    hidden = pos[None, :] >= lens[:, None]
-    if window is not None:
-        hidden = hidden | (pos[None, :] < (lens - window)[:, None])
-    s = s.masked_fill(hidden[:, :, None, None], float("-inf"))
-    p = torch.softmax(s, dim=1)
-    v = v_pool.permute(0, 2, 1, 3)[blocks, offsets]                   # [D, span, kv_heads, dim]
-    out = (p[..., None] * v[:, :, :, None, :].to(q.dtype)).sum(1)    # [D, kv_heads, G, dim]
-    return out.reshape(d, heads * dim)
-
-
-class CompiledDecode:
-    """`paged_decode_indexed` through ``torch.compile`` (inductor): the CPU decode-attention
-    kernel of a worker started with ``--attention-backend compiled``; K/V are read from the pool
-    through the block table, never gathered into a copy (measured against the grouped path:
-    docs/PERFORMANCE.md, "Decode attention through the block table").
-
-    One graph serves every decode batch of one pool: the batch size and the block table's width
-    are marked dynamic, and a batch of one row or a table of one column is padded to two (torch
-    specializes sizes 0 and 1, which would build three more graphs). The graph is built for a
-    thread count and torch guards on it, so the kernel always runs on one thread (the calling
-    thread's count is set back afterwards). A new pool (its shape), dtype, window, scale or
-    soft-cap builds another graph. A model's ``warm_up`` builds it before the first request.
-    Inductor compiles in the calling process (``compile_threads = 1``: no compile workers).
-
-    Raises (from the first call): ``torch._inductor`` / ``torch._dynamo`` errors when inductor
-    cannot build CPU code (no C++ compiler); `worker.runtime` turns that into a refusal to start.
-    """
-
-    def __init__(self, min_rows: int = 4):
-        """``min_rows``: decode batches of fewer one-token sequences keep the grouped path, where
-        this kernel's fixed cost per call (guards, padding) outweighs its gain (measured:
-        docs/PERFORMANCE.md, "Decode attention through the block table")."""
-        import torch._inductor.config as inductor_config
-
-        self.min_rows = min_rows
-
-        inductor_config.compile_threads = 1   # compile in this process: no pool of compile workers left running
-        self._fn = torch.compile(paged_decode_indexed, dynamic=False)
-
-    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
-                 window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
-        """``q`` ``[D, heads, head_dim]`` (the batch's one-token sequences, in `ForwardBatch`
-        order) over one layer's pool -> ``[D, heads * head_dim]`` in ``q``'s dtype."""
-        tables, lens = batch.indexed_decode_inputs()
-        rows = q.shape[0]
-        if rows == 1:
-            q = q.expand(2, -1, -1)
-        q = q.contiguous()
-        for t, dims in ((q, (0,)), (tables, (0, 1)), (lens, (0,))):
-            for dim in dims:
-                torch._dynamo.mark_dynamic(t, dim)
-        threads = torch.get_num_threads()
-        if threads != 1:
-            torch.set_num_threads(1)
-        try:
-            out = self._fn(q, k_pool, v_pool, tables, lens, window, scale, softcap)
-        finally:
-            if threads != 1:
-                torch.set_num_threads(threads)
-        return out[:rows]
-
-
 def _decode_attention(q, k_pool, v_pool, batch: ForwardBatch, block_size: int,
                       window: int | None = None, scale: float | None = None,
-                      softcap: float | None = None, kernel: "CompiledDecode | None" = None) -> torch.Tensor:
+                      softcap: float | None = None, kernel: "engine.paged_decode.CompiledDecode | None" = None) -> torch.Tensor:
     """One query per sequence, over its gathered K/V (``q``: ``[D, num_heads, head_dim]``;
     returns ``[D, num_heads * head_dim]``); with ``window``, over its last ``window`` positions.
 
     On CUDA with Triton: `engine.triton_attention.paged_decode`, straight from the pool through the
-    block table. On the CPU with ``kernel``: `CompiledDecode`, likewise. Otherwise:
+    block table. On the CPU with ``kernel``: `engine.paged_decode.CompiledDecode`, likewise. Otherwise:
     the G = num_heads / num_kv_heads query heads sharing a KV head (grouped-query attention; Hugging
     Face's ``repeat_kv`` maps query head ``h`` to KV head ``h // G``) attend as G query rows of
     that KV head, so K/V are never expanded. Per `DecodeGroup` (on the CPU; one group on other

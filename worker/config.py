@@ -73,7 +73,7 @@ class WorkerConfig:
             replays its decode steps from CUDA graphs (`engine.cuda_graphs`).
         attention_backend: a CPU decode worker's decode attention: "grouped" (each group of
             sequences' K/V gathered, cast and attended by SDPA), or "compiled"
-            (`engine.attention.CompiledDecode`: the pool read through the block table by a
+            (`engine.paged_decode.CompiledDecode`: the pool read through the block table by a
             ``torch.compile`` kernel, built at start-up with its time logged; needs a C++
             compiler for inductor: refused to start without one), or "auto" (compiled where it
             builds, else grouped with a warning saying why; ``pdserve up``'s default). Prefill

@@ -23,7 +23,7 @@ from typing import Callable, Protocol, TypeVar
 import grpc
 import torch
 
-from engine.attention import CompiledDecode
+from engine.paged_decode import CompiledDecode
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
@@ -136,7 +136,7 @@ class WorkerResources:
 
 def _set_decode_kernel(config: WorkerConfig, model, pool: KVPool) -> None:
     """A CPU decode worker's decode attention (``config.attention_backend``): "compiled" and
-    "auto" give the model an `engine.attention.CompiledDecode` and build its graph now, its time
+    "auto" give the model an `engine.paged_decode.CompiledDecode` and build its graph now, its time
     logged. When inductor cannot build it here (no C++ compiler, say), "compiled" refuses to start
     (ValueError naming the cause) and "auto" logs a warning with the cause and keeps the grouped
     path. Prefill workers, CUDA pools (Triton), compiled layers (``--no-enforce-eager``) and
@@ -156,7 +156,7 @@ def _set_decode_kernel(config: WorkerConfig, model, pool: KVPool) -> None:
         log.warning("decode attention: grouped (--attention-backend auto could not build the compiled "
                     "kernel here: %s)", cause)
         return
-    log.info("decode attention: compiled (engine.attention.CompiledDecode), built in %.1f s (inductor's cache: %s)",
+    log.info("decode attention: compiled (engine.paged_decode.CompiledDecode), built in %.1f s (inductor's cache: %s)",
              seconds, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
 
 

@@ -141,7 +141,7 @@ class LlamaModel:
         self._kv_size = c.num_kv_heads * c.head_dim
         self._compiled_layers = None
         self.decode_kernel = None
-        """`engine.attention.CompiledDecode` for the CPU decode attention (``--attention-backend
+        """`engine.paged_decode.CompiledDecode` for the CPU decode attention (``--attention-backend
         compiled``, set by `worker.runtime`); None: the grouped path."""
         if compiled:
             self._compile()
@@ -261,7 +261,7 @@ class LlamaModel:
         """With compiled layers, build their graphs now rather than at the first requests: one
         pass of each shape kind (one token; one prompt of several tokens; two one-token
         sequences) over two blocks of ``pool`` taken and given back. Returns the seconds it took
-        (0.0 when eager). With a `decode_kernel` (`engine.attention.CompiledDecode`), its graph
+        (0.0 when eager). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its graph
         too, by a decode pass of as many sequences as it takes (its ``min_rows``). Raises ValueError when ``pool`` has fewer than two
         free blocks."""
         if self._compiled_layers is None and self.decode_kernel is None:

@@ -83,10 +83,10 @@ def test_prompt_logits_match_transformers(smollm, hf_model, reference):
 @pytest.mark.parametrize("decode_attention", ["grouped", "compiled"])
 def test_greedy_continuous_batch_matches_transformers(smollm, reference, decode_attention):
     """8 prompts, 64 tokens each, staggered arrivals, chunked prefill of the long prompt; decode
-    attention on the grouped path and through the compiled kernel (`engine.attention.CompiledDecode`,
+    attention on the grouped path and through the compiled kernel (`engine.paged_decode.CompiledDecode`,
     ``--attention-backend compiled``), whose steps then include mixed passes (a prompt chunk beside
     decoding sequences)."""
-    from engine.attention import CompiledDecode
+    from engine.paged_decode import CompiledDecode
 
     prompts, expected = reference
     assert max(len(p) for p in prompts) > 64  # the long prompt is prefilled in several chunks

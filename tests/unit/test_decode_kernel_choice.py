@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from engine.attention import CompiledDecode
+from engine.paged_decode import CompiledDecode
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool
 from tests.unit.test_engine_runner import TINY, _model

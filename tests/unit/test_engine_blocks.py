@@ -206,7 +206,8 @@ def test_indexed_decode_attention_equals_the_grouped_path(block, window, softcap
     """`paged_decode_indexed` (the pool read through the block table by indexing) returns what the
     serving path returns, with sliding windows shorter and longer than some contexts and with
     soft-capping; a wrong window or cap changes its output (the comparison can fail)."""
-    from engine.attention import paged_attention, paged_decode_indexed
+    from engine.attention import paged_attention
+    from engine.paged_decode import paged_decode_indexed
 
     q, pool_k, pool_v, batch, lens = _indexed_case(block, torch.Generator().manual_seed(5))
     want = paged_attention(q, None, None, pool_k, pool_v, batch, block, window=window, scale=0.3, softcap=softcap)
@@ -225,7 +226,8 @@ def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_o
     model shapes are fixed, so one graph serves all its decode steps)."""
     from torch._dynamo.utils import counters
 
-    from engine.attention import paged_attention, paged_decode_indexed
+    from engine.attention import paged_attention
+    from engine.paged_decode import paged_decode_indexed
 
     torch._dynamo.reset()
     counters.clear()
@@ -253,7 +255,7 @@ def test_a_model_decodes_through_the_compiled_kernel_as_through_the_grouped_path
     the caller's thread count is left as it was."""
     from torch._dynamo.utils import counters
 
-    from engine.attention import CompiledDecode
+    from engine.paged_decode import CompiledDecode
     from tests.unit.test_engine_runner import TINY, _model
 
     model = _model(4)
@@ -294,7 +296,7 @@ def test_decode_batches_below_the_kernels_min_rows_keep_the_grouped_path():
     """`CompiledDecode` runs only for decode batches of at least ``min_rows`` sequences (its fixed
     cost per call outweighs its gain below); its compiled function is replaced here by an eager
     counting stand-in, since what is checked is the dispatch, not the graph."""
-    from engine.attention import CompiledDecode, paged_decode_indexed
+    from engine.paged_decode import CompiledDecode, paged_decode_indexed
     from tests.unit.test_engine_runner import TINY, _model
 
     model = _model(4)
