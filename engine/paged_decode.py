@@ -57,7 +57,7 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
 
 class CompiledDecode:
     """`paged_decode_indexed` through ``torch.compile`` (inductor): the CPU decode-attention
-    kernel of a worker started with ``--attention-backend compiled``; K/V are read from the pool
+    kernel of a worker started with ``--attention-backend compiled`` (or ``auto``); K/V are read from the pool
     through the block table, never gathered into a copy (measured against the grouped path:
     docs/PERFORMANCE.md, "Decode attention through the block table").
 
@@ -80,7 +80,6 @@ class CompiledDecode:
         import torch._inductor.config as inductor_config
 
         self.min_rows = min_rows
-
         inductor_config.compile_threads = 1   # compile in this process: no pool of compile workers left running
         self._fn = torch.compile(paged_decode_indexed, dynamic=False)
 

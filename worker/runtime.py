@@ -23,10 +23,10 @@ from typing import Callable, Protocol, TypeVar
 import grpc
 import torch
 
-from engine.paged_decode import CompiledDecode
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
+from engine.paged_decode import CompiledDecode
 from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
                         allocate_shared_buffer, create_engine)

@@ -262,8 +262,8 @@ class LlamaModel:
         pass of each shape kind (one token; one prompt of several tokens; two one-token
         sequences) over two blocks of ``pool`` taken and given back. Returns the seconds it took
         (0.0 when eager). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its graph
-        too, by a decode pass of as many sequences as it takes (its ``min_rows``). Raises ValueError when ``pool`` has fewer than two
-        free blocks."""
+        too, by a decode pass of as many sequences as it takes (its ``min_rows``). Raises
+        ValueError when ``pool`` has fewer than two free blocks."""
         if self._compiled_layers is None and self.decode_kernel is None:
             return 0.0
         bs = pool.block_size
