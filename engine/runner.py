@@ -266,12 +266,10 @@ class ModelRunner:
         if self.graphs is not None and on_layer_done is None:
             logits = self.graphs.run(batch)   # None: not a decode step its graphs cover
         if logits is None:
-            borrowed = (self.borrowing.take() if self.borrowing is not None
-                        and batch.input_ids.numel() >= self.parallel_min_tokens else 0)
-            if not borrowed:
+            if self.borrowing is None or batch.input_ids.numel() < self.parallel_min_tokens:
                 logits = self.model.forward(batch, self.pool, on_layer_done=on_layer_done)
             else:
-                torch.set_num_threads(threads + borrowed)
+                self._borrow(threads)
                 try:
                     logits = self.model.forward(batch, self.pool,
                                                 on_layer_done=self._while_lent(threads, on_layer_done))
@@ -284,12 +282,22 @@ class ModelRunner:
                                                           chunk.start, seq.params.prompt_logprobs)
         return batch.sampling_logits(logits)
 
+    def _borrow(self, threads: int) -> None:
+        """Add a thread on each lent CPU idle now (none idle: the pass's own ``threads``)."""
+        borrowed = self.borrowing.take()
+        torch.set_num_threads(threads + borrowed)
+
     def _while_lent(self, threads: int, on_layer_done: LayerCallback | None) -> LayerCallback:
-        """A pass's layer callback while it runs on borrowed CPUs: once an owner wants its CPU
-        back, the remaining layers run on the pass's own ``threads``."""
+        """A long pass's layer callback with lending: once an owner wants its CPU back, the next
+        layers run on the pass's own ``threads``; once a lent CPU is idle again (its owner's work
+        done mid-pass), the next layers borrow it."""
         def after_layer(layer: int) -> None:
-            if torch.get_num_threads() != threads and self.borrowing.reclaimed():
-                torch.set_num_threads(threads)
+            if torch.get_num_threads() != threads:
+                if self.borrowing.reclaimed():
+                    self.borrowing.give_back()
+                    torch.set_num_threads(threads)
+            else:
+                self._borrow(threads)
             if on_layer_done is not None:
                 on_layer_done(layer)
         return after_layer

@@ -68,7 +68,9 @@ class PdservePeer:
 
 class ProcessPeer:
     """A server run as a subprocess in its own session and process group, on a free port,
-    output to ``log_path``; ready when ``GET ready_path`` answers 200."""
+    output to ``log_path``; ready when ``GET ready_path`` answers 200 and ``GET /health`` does
+    not answer 503 (a pdserve router lists its model before a worker pair has joined, and
+    answers /health 503 until then, as vLLM's does while it starts; 404: no such probe)."""
 
     def __init__(self, name: str, argv_for, ready_path: str, log_path: Path, args,
                  extra_body: dict | None = None):
@@ -93,7 +95,8 @@ class ProcessPeer:
             if code is not None:
                 raise LoadTestError(f"did not start: exited with code {code} before it was ready")
             try:
-                if httpx.get(url + self.ready_path, timeout=2, trust_env=False).status_code == 200:
+                if (httpx.get(url + self.ready_path, timeout=2, trust_env=False).status_code == 200
+                        and httpx.get(url + "/health", timeout=2, trust_env=False).status_code != 503):
                     return url
             except httpx.HTTPError:
                 pass

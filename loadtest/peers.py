@@ -5,7 +5,9 @@ Lifecycle, once per server, one server at a time in the order given (``pdserve``
 
 1. Start it on a free 127.0.0.1 port and wait until it is ready: ``pdserve up`` until it prints
    "pdserve is up" (`loadtest.compare.Server`), a llama.cpp ``llama-server`` until ``GET /health``
-   answers 200, a ``--command`` until ``GET /v1/models`` answers 200. A ``--url`` is already
+   answers 200, a ``--command`` until ``GET /v1/models`` answers 200 and ``GET /health`` no
+   longer 503 (a pdserve router started that way lists its model before its workers join;
+   `loadtest.peer_servers.ProcessPeer`). A ``--url`` is already
    running: it is only asked for ``/v1/models``, never started or stopped.
 2. Warm up: four short requests, not measured.
 3. Measure it at every ``--concurrency`` level (closed loop, ``--num-prompts`` requests per level):

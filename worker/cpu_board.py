@@ -19,8 +19,8 @@ borrowers only read, so the board needs no lock (a stale read costs at most one 
   `CpuLending.take` takes the lent CPUs that are idle now: the calling thread's affinity widens
   to them for the pass (the pass's extra OpenMP threads, created or woken by it, run there), and
   `CpuLending.reclaimed` tells the runner at each layer whether an owner wants its CPU back,
-  when the pass drops to its own threads for the remaining layers. `CpuLending.give_back`
-  narrows the affinity again. A worker's other threads stay on its own CPUs.
+  when the pass drops to its own threads for the next layers (taking the CPUs again at a later
+  layer where they are idle again). `CpuLending.give_back` narrows the affinity again. A worker's other threads stay on its own CPUs.
 
 The worker's process is started with its own CPUs and the lent ones allowed (libgomp counts the
 CPUs it may use when torch loads, and spins at its barriers only while its threads fit them:

@@ -23,14 +23,21 @@ SLACK_MS = 80.0
 
 # ---------------------------------------------------------------- the test double (subprocess)
 
-def make_fake_server(ttft_ms: float, itl_ms: float):
+def make_fake_server(ttft_ms: float, itl_ms: float, unready_s: float = 0.0):
     """Test double of an OpenAI-compatible server: streams ``max_tokens`` chunks, the first
     after ``ttft_ms`` and the others ``itl_ms`` apart; reports usage (prompt tokens = words)
-    when asked. Model ``fail`` answers 503; model ``no-usage`` never sends usage."""
+    when asked. Model ``fail`` answers 503; model ``no-usage`` never sends usage. For the first
+    ``unready_s`` seconds it lists its model but answers ``/health`` and every completion 503,
+    as a pdserve router does until a worker pair has joined."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
+    ready_at = time.monotonic() + unready_s
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({}, status_code=200 if time.monotonic() >= ready_at else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -51,7 +58,7 @@ def make_fake_server(ttft_ms: float, itl_ms: float):
 
     async def handle(request: Request, chat: bool):
         body = await request.json()
-        if body["model"] == "fail":
+        if body["model"] == "fail" or time.monotonic() < ready_at:
             return JSONResponse({"error": "overloaded"}, status_code=503)
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")
 
@@ -73,8 +80,9 @@ def _serve() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--ttft-ms", type=float, default=TTFT_MS)
     p.add_argument("--itl-ms", type=float, default=ITL_MS)
+    p.add_argument("--unready-s", type=float, default=0.0)
     args = p.parse_args()
-    uvicorn.run(make_fake_server(args.ttft_ms, args.itl_ms), host="127.0.0.1", port=args.port,
+    uvicorn.run(make_fake_server(args.ttft_ms, args.itl_ms, args.unready_s), host="127.0.0.1", port=args.port,
                 log_level="warning")
 
 

@@ -68,7 +68,9 @@ def _record(result_dir: Path) -> dict:
 
 
 def test_runs_a_command_and_a_url_at_every_level(double_url, tmp_path):
-    command = shlex.join([sys.executable, str(DOUBLE), *FAST]) + " --port {port}"
+    """The --command server lists its model before it can serve (``/health`` 503 for its first
+    3 s, as a pdserve router before its workers join): it is run once ready, not failed."""
+    command = shlex.join([sys.executable, str(DOUBLE), *FAST, "--unready-s", "3"]) + " --port {port}"
     proc = _peers("--no-pdserve", "--command", f"fake={command}", "--url", f"there={double_url}",
                   *SMALL, result_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

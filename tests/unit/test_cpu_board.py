@@ -4,6 +4,7 @@ and gives back at the layer its owner wants the CPU again, and the launcher's pl
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -80,20 +81,24 @@ def test_a_loan_widens_the_calling_thread_and_the_owner_takes_it_back(tmp_path):
 
 
 @two_cpus
-def test_a_long_pass_borrows_an_idle_cpu_until_its_owner_wants_it(tmp_path):
+def test_a_long_pass_borrows_an_idle_cpu_while_its_owner_waits(tmp_path):
     """A prompt chunk runs on a second thread while the lent CPU's owner waits; once the owner
-    has work, the next layers run on the runner's own thread; the logits are those of a pass
+    has work, the next layers run on the runner's own thread, and once it waits again (its work
+    done mid-pass) the next layers borrow again; the logits are those of a pass
     that never borrowed, and short passes never borrow."""
     own, lent = CPUS[0], CPUS[1]
     board = CpuBoard.create(tmp_path / "board", lent + 1)
     owner = CpuLending(CpuBoard(tmp_path / "board"), {lent}, {own})
-    model = _model()
+    config = dataclasses.replace(TINY, num_layers=4)
+    model = _model(config=config)
     layers = []
 
     def after_layer(i):
-        layers.append(torch.get_num_threads())
-        if i == 0:
+        layers.append((torch.get_num_threads(), os.sched_getaffinity(0)))
+        if i in (0, 2):
             owner.busy(True)                         # the owner's loop found work
+        if i == 1:
+            owner.busy(False)                        # ... and waits again
 
     def scenario():
         before = torch.get_num_threads()
@@ -103,7 +108,7 @@ def test_a_long_pass_borrows_an_idle_cpu_until_its_owner_wants_it(tmp_path):
             lending.pin_to_own()
             out = {}
             for name, borrowing in (("lent", lending), ("alone", None)):
-                runner = ModelRunner(model, KVPool(TINY, CacheConfig(block_size=BS, num_blocks=32)),
+                runner = ModelRunner(model, KVPool(config, CacheConfig(block_size=BS, num_blocks=32)),
                                      parallel_min_tokens=8, borrowing=borrowing)
                 seq = _Seq(list(range(1, 13)))
                 assert runner.grow(seq, 12)
@@ -113,18 +118,19 @@ def test_a_long_pass_borrows_an_idle_cpu_until_its_owner_wants_it(tmp_path):
                 out[name + " threads after"] = torch.get_num_threads()
                 out[name + " affinity after"] = os.sched_getaffinity(0)
             owner.busy(False)
-            short = ModelRunner(model, KVPool(TINY, CacheConfig(block_size=BS, num_blocks=32)),
+            short = ModelRunner(model, KVPool(config, CacheConfig(block_size=BS, num_blocks=32)),
                                 parallel_min_tokens=8, borrowing=lending)
             seq = _Seq(list(range(1, 5)))
             assert short.grow(seq, 4)
             short.execute([(seq, SeqChunk(seq.prompt_token_ids, 0, seq.block_table))],
-                          on_layer_done=lambda i: layers.append(torch.get_num_threads()))
+                          on_layer_done=lambda i: layers.append((torch.get_num_threads(), os.sched_getaffinity(0))))
             return out
         finally:
             torch.set_num_threads(before)
 
     out = _on_thread(scenario)
-    assert layers == [2, 1] + [1, 1] + [1, 1]       # borrowed, reclaimed; alone; a short pass
+    both, alone = (2, {own, lent}), (1, {own})
+    assert layers == [both, alone, both, alone] + [alone] * 4 + [alone] * 4   # lent; alone; short
     assert out["lent threads after"] == 1 and out["lent affinity after"] == {own}
     torch.testing.assert_close(out["lent"], out["alone"], rtol=1e-6, atol=1e-6)
 
