@@ -283,9 +283,10 @@ class ModelRunner:
         return batch.sampling_logits(logits)
 
     def _borrow(self, threads: int) -> None:
-        """Add a thread on each lent CPU idle now (none idle: the pass's own ``threads``)."""
+        """Add a thread on each lent CPU idle now (none idle: nothing changes)."""
         borrowed = self.borrowing.take()
-        torch.set_num_threads(threads + borrowed)
+        if borrowed:
+            torch.set_num_threads(threads + borrowed)
 
     def _while_lent(self, threads: int, on_layer_done: LayerCallback | None) -> LayerCallback:
         """A long pass's layer callback with lending: once an owner wants its CPU back, the next
