@@ -55,12 +55,32 @@ def gguf_reader(path: Path):
 
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, _mtime_ns: int):
-    import gguf
-
     try:
-        return gguf.GGUFReader(path)
+        return _plain_view_reader()(path)
     except Exception as exc:  # the reader raises bare ValueError/struct errors on garbage
         raise ModelLoadError(f"malformed GGUF file {path}: {exc}") from exc
+
+
+@functools.cache
+def _plain_view_reader() -> type:
+    """``gguf.GGUFReader`` whose file map is held as a plain ``numpy.ndarray`` view of its
+    ``numpy.memmap``: the same read-only, file-backed bytes, but slicing it builds no memmap
+    subclass, whose ``__array_finalize__`` otherwise runs for each of the many small slices the
+    reader takes while it walks a vocabulary field by field. Tensors' ``data`` are then ndarray views of the
+    mapping, read-only as before."""
+    import gguf
+    import numpy as np
+
+    class PlainViewReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value) -> None:   # the base constructor's np.memmap(path, mode)
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainViewReader
 
 
 def gguf_field(reader, key: str, default=None):

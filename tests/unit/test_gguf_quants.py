@@ -65,3 +65,24 @@ def test_native_mode_keeps_q4_k_and_dequantizes_the_rest(quantized_file, kind):
         np.testing.assert_allclose(got.dequantize().numpy(), want, rtol=1e-6, atol=1e-7)
     else:
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_cached_reader_reads_every_field_and_tensor_as_the_gguf_package_does():
+    """`engine.modelfile.gguf_reader` holds the file map as a plain ndarray view (fast slicing);
+    every field's contents and every tensor's bytes, shape and type must equal gguf's own reader,
+    and the tensors must stay read-only views of the file."""
+    import gguf
+
+    from engine.modelfile import default_model_path
+
+    path = default_model_path()
+    ours, theirs = gguf_reader(path), gguf.GGUFReader(path)
+    assert type(ours.data) is np.ndarray and not ours.data.flags.writeable
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        a, b = ours.fields[key].contents(), field.contents()
+        assert a == b if not isinstance(b, np.ndarray) else np.array_equal(a, b), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape), b.data_offset)
+        assert not a.data.flags.writeable and np.array_equal(a.data, b.data), a.name
