@@ -28,7 +28,8 @@ from collections import OrderedDict
 from typing import Sequence
 
 import llguidance
-import llguidance.torch as lgt
+import llguidance.numpy as lgn   # not llguidance.torch: it imports torch.compile's stack
+import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
@@ -43,16 +44,17 @@ class Matcher:
     returns False and the matcher stays in an error state.
     """
 
-    __slots__ = ("_m", "_mask", "_vocab")
+    __slots__ = ("_m", "_bits", "_mask", "_vocab")
 
     def __init__(self, llmatcher, vocab_size: int):
         self._m = llmatcher
         self._vocab = vocab_size
-        self._mask = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
+        self._bits = np.empty((1, (vocab_size + 31) // 32), dtype=np.int32)   # llguidance writes here
+        self._mask = torch.from_numpy(self._bits)                              # the same memory
 
     def allowed(self) -> torch.Tensor:
         """``[vocab]`` bool: the tokens the grammar allows next (all False in an error state)."""
-        lgt.fill_next_token_bitmask(self._m, self._mask)
+        lgn.fill_next_token_bitmask(self._m, self._bits)
         bits = (self._mask[0, :, None] >> _SHIFTS) & 1
         return bits.flatten()[:self._vocab].bool()
 
