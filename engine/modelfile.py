@@ -66,8 +66,8 @@ def _plain_view_reader() -> type:
     """``gguf.GGUFReader`` whose file map is held as a plain ``numpy.ndarray`` view of its
     ``numpy.memmap``: the same read-only, file-backed bytes, but slicing it builds no memmap
     subclass, whose ``__array_finalize__`` otherwise runs for each of the many small slices the
-    reader takes while it walks a vocabulary field by field. Tensors' ``data`` are then ndarray views of the
-    mapping, read-only as before."""
+    reader takes while it walks a vocabulary field by field. Tensors' ``data`` are then ndarray
+    views of the mapping, read-only as before. Raises what ``gguf.GGUFReader`` raises."""
     import gguf
     import numpy as np
 
