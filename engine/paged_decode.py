@@ -67,7 +67,11 @@ class CompiledDecode:
     thread count and torch guards on it, so the kernel always runs on one thread (the calling
     thread's count is set back afterwards). A new pool (its shape), dtype, window, scale or
     soft-cap builds another graph. A model's ``warm_up`` builds it before the first request.
-    Inductor compiles in the calling process (``compile_threads = 1``: no compile workers).
+    Inductor compiles in the calling process (``compile_threads = 1``: no compile workers), and
+    takes the CPU's vector instructions from torch's own detection (``cpp.vec_isa_ok``, unless
+    ``TORCHINDUCTOR_VEC_ISA_OK`` says otherwise) instead of compiling and loading probe libraries
+    in child processes at every start: a compiler that cannot build for them fails the first call,
+    as below.
 
     Raises (from the first call): ``torch._inductor`` / ``torch._dynamo`` errors when inductor
     cannot build CPU code (no C++ compiler); `worker.runtime` turns that into a refusal to start.
@@ -81,6 +85,8 @@ class CompiledDecode:
 
         self.min_rows = min_rows
         inductor_config.compile_threads = 1   # compile in this process: no pool of compile workers left running
+        if inductor_config.cpp.vec_isa_ok is None:   # torch.cpu's detection; no probe builds (class doc)
+            inductor_config.cpp.vec_isa_ok = True
         self._fn = torch.compile(paged_decode_indexed, dynamic=False)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,

@@ -54,3 +54,16 @@ def test_where_the_kernel_cannot_be_built_auto_keeps_the_grouped_path_and_compil
         _set_decode_kernel(WorkerConfig(role="decode", attention_backend="compiled"), model, pool)
     assert model.decode_kernel is None
     assert pool.allocator.num_free == pool.allocator.num_blocks
+
+
+def test_the_kernel_takes_torchs_isa_detection_unless_told_otherwise(monkeypatch):
+    """No probe libraries built and loaded in child processes at each start (`CompiledDecode`);
+    an explicit ``TORCHINDUCTOR_VEC_ISA_OK`` (inductor's ``cpp.vec_isa_ok``) is kept."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    CompiledDecode()
+    assert inductor_config.cpp.vec_isa_ok is True
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
+    CompiledDecode()
+    assert inductor_config.cpp.vec_isa_ok is False
