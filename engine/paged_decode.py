@@ -16,6 +16,9 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     """Decode attention written as torch indexing of the pool through the block table: no
     gathered copy of any sequence's K/V is built when inductor compiles it (``torch.compile``
     fuses the indexing into the score and output reductions); eagerly it is a slow reference.
+    Whole blocks are indexed (``pool[block_tables]``), so the generated loops read one table entry
+    per block and the block's positions contiguously, and the softmax is normalised after the
+    value reduction (the same sum, divided once per output).
     The CPU decode kernel of ``--attention-backend compiled`` (`CompiledDecode`; measured against
     the grouped path: ``python -m bench.decode_attention``, docs/PERFORMANCE.md "Decode attention
     through the block table").
@@ -35,23 +38,23 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     """
     d, heads, dim = q.shape
     kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
-    span = block_tables.shape[1] * block_size
-    pos = torch.arange(span, device=q.device)
-    blocks = block_tables[:, pos // block_size]                       # [D, span]
-    offsets = (pos % block_size)[None, :].expand(d, span)
-    qg = q.view(d, 1, kv_heads, heads // kv_heads, dim)
-    k = k_pool.permute(0, 2, 1, 3)[blocks, offsets]                   # [D, span, kv_heads, dim]
-    s = (qg * k[:, :, :, None, :].to(q.dtype)).sum(-1)               # [D, span, kv_heads, G]
-    s = s * (dim ** -0.5 if scale is None else scale)
+    width, groups = block_tables.shape[1], heads // kv_heads
+    qg = q.view(d, 1, kv_heads, groups, 1, dim) * (dim ** -0.5 if scale is None else scale)
+    # whole blocks through the table: one index per block, the positions inside it contiguous
+    k = k_pool[block_tables]                                          # [D, W, kv_heads, block, dim]
+    s = (qg * k[:, :, :, None].to(q.dtype)).sum(-1)                   # [D, W, kv_heads, G, block]
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    hidden = pos[None, :] >= lens[:, None]
+    pos = (torch.arange(width, device=q.device)[:, None] * block_size
+           + torch.arange(block_size, device=q.device)[None, :])      # [W, block]
+    hidden = pos[None] >= lens[:, None, None]                         # [D, W, block]
     if window is not None:
-        hidden = hidden | (pos[None, :] < (lens - window)[:, None])
-    s = s.masked_fill(hidden[:, :, None, None], float("-inf"))
-    p = torch.softmax(s, dim=1)
-    v = v_pool.permute(0, 2, 1, 3)[blocks, offsets]                   # [D, span, kv_heads, dim]
-    out = (p[..., None] * v[:, :, :, None, :].to(q.dtype)).sum(1)    # [D, kv_heads, G, dim]
+        hidden = hidden | (pos[None] < (lens - window)[:, None, None])
+    s = s.masked_fill(hidden[:, :, None, None, :], float("-inf"))
+    e = torch.exp(s - s.amax(dim=(1, 4), keepdim=True))             # softmax over (W, block), normalised last
+    v = v_pool[block_tables]                                          # [D, W, kv_heads, block, dim]
+    out = (e[..., None] * v[:, :, :, None].to(q.dtype)).sum(dim=(1, 4))   # [D, kv_heads, G, dim]
+    out = out / e.sum(dim=(1, 4)).view(d, kv_heads, groups, 1)
     return out.reshape(d, heads * dim)
 
 
