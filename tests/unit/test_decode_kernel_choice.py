@@ -56,14 +56,16 @@ def test_where_the_kernel_cannot_be_built_auto_keeps_the_grouped_path_and_compil
     assert pool.allocator.num_free == pool.allocator.num_blocks
 
 
-def test_the_kernel_takes_torchs_isa_detection_unless_told_otherwise(monkeypatch):
+def test_the_kernel_takes_torchs_isa_detection_unless_told_otherwise():
     """No probe libraries built and loaded in child processes at each start (`CompiledDecode`);
-    an explicit ``TORCHINDUCTOR_VEC_ISA_OK`` (inductor's ``cpp.vec_isa_ok``) is kept."""
+    an explicit ``TORCHINDUCTOR_VEC_ISA_OK`` (inductor's ``cpp.vec_isa_ok``) is kept. Inductor's
+    own ``patch`` sets and restores the option: pytest's monkeypatch would delete it on undo
+    (it cannot read the old value off inductor's config proxy), hiding it from later tests."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
-    CompiledDecode()
-    assert inductor_config.cpp.vec_isa_ok is True
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
-    CompiledDecode()
-    assert inductor_config.cpp.vec_isa_ok is False
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):
+        CompiledDecode()
+        assert inductor_config.cpp.vec_isa_ok is True
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        CompiledDecode()
+        assert inductor_config.cpp.vec_isa_ok is False
