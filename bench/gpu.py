@@ -16,7 +16,9 @@
   writes of 1 MiB, then of 4 MiB), GB/s of KV moved from the first post to the last immediate
   counted, against the copy ceiling: a torch device-to-device copy of the same bytes in this
   process. The two sizes split a transfer's time into a fixed part and a streaming rate
-  (`fixed_and_streaming`).
+  (`fixed_and_streaming`). Then the throughput with `IPC_IN_FLIGHT` transfers posted back to back,
+  as a decode worker receives several requests' KV at once. Both sides of every prefill ratio are
+  measured back to back, transformers again beside each engine row.
 
 Runs on the CPU too (``--device cpu``, small sizes: a smoke test of this script), never for
 figures.
@@ -43,6 +45,8 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
                tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
 PROMPT, STEPS, BS = 128, 32, 16
+PREFILL_WARMUP = 3
+"""Untimed prefill passes before the timed ones (the GPU's clocks rise after the idle of a load)."""
 SECRET = b"bench-gpu-secret-0123456789abcdef"
 
 
@@ -63,9 +67,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: str, reps: int) -> float:
+def _time(fn, device: str, reps: int, warmup: int = 1) -> float:
     """Median seconds of ``fn``, synchronized with the device (`bench.common.median_time`)."""
-    return median_time(lambda: (fn(), _sync(device)), reps)
+    return median_time(lambda: (fn(), _sync(device)), reps, warmup)
 
 
 @torch.inference_mode()
@@ -86,16 +90,24 @@ def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int,
     ids = torch.randint(100, 40000, (PROMPT,)).tolist()
     tables = [pool.allocator.allocate(per_seq) for _ in range(batch)]
     prefill = ForwardBatch.build([SeqChunk(ids, 0, t) for t in tables], BS)
-    prefill_s = _time(lambda: loaded.model.forward(prefill, pool), device, reps)
+    prefill_s = _time(lambda: loaded.model.forward(prefill, pool), device, 2 * reps, PREFILL_WARMUP)
     steps_batches = [ForwardBatch.build([SeqChunk([ids[0]], PROMPT + s, t) for t in tables], BS) for s in range(steps)]
     decode_s = _time(lambda: [step(b, pool) for b in steps_batches], device, max(1, reps // 2))
     return batch * PROMPT / prefill_s, batch * steps / decode_s
 
 
 @torch.inference_mode()
+def hf_prefill_rate(hf, batch: int, reps: int, device: str) -> float:
+    """transformers' prefill tok/s of ``batch`` prompts of `PROMPT` tokens, timed as the engine's
+    (`engine_rates`): measured again beside each engine row, so that both sides of a prefill ratio
+    are taken within seconds of each other."""
+    ids = torch.randint(100, 40000, (batch, PROMPT), device=device)
+    return batch * PROMPT / _time(lambda: hf(ids, use_cache=True, logits_to_keep=1), device, 2 * reps, PREFILL_WARMUP)
+
+
+@torch.inference_mode()
 def hf_rates(hf, batch: int, reps: int, steps: int, device: str) -> tuple[float, float]:
     ids = torch.randint(100, 40000, (batch, PROMPT), device=device)
-    prefill_s = _time(lambda: hf(ids, use_cache=True, logits_to_keep=1), device, reps)
 
     def decode():
         out = hf(ids, use_cache=True, logits_to_keep=1)
@@ -109,7 +121,7 @@ def hf_rates(hf, batch: int, reps: int, steps: int, device: str) -> tuple[float,
         return time.perf_counter() - t0
 
     decode()
-    return batch * PROMPT / prefill_s, batch * steps / min(decode() for _ in range(max(1, reps // 2)))
+    return hf_prefill_rate(hf, batch, reps, device), batch * steps / min(decode() for _ in range(max(1, reps // 2)))
 
 
 def _ipc_receiver(conn, nbytes: int) -> None:
@@ -121,17 +133,22 @@ def _ipc_receiver(conn, nbytes: int) -> None:
     engine.register_memory(pool)
     conn.send(engine.describe().to_bytes())
     while (cmd := conn.recv()) is not None:
-        slot, gen = counter.acquire(60.0)
-        conn.send((slot, gen))
-        counter.expect(slot, gen, cmd)
-        counter.wait(slot, gen, 120.0)
-        counter.release(slot, gen)
+        writes, in_flight = cmd
+        slots = [counter.acquire(60.0) for _ in range(in_flight)]
+        conn.send(slots)
+        for slot, gen in slots:
+            counter.expect(slot, gen, writes)
+        for slot, gen in slots:
+            counter.wait(slot, gen, 120.0)
+            counter.release(slot, gen)
         conn.send("done")
     engine.close()
 
 
-def ipc_rate(tokens: int, reps: int) -> dict:
-    """cuda_ipc GB/s on a KV-shaped plan beside the device-to-device copy ceiling (module doc)."""
+def ipc_rate(tokens: int, reps: int, in_flight: int = 1) -> dict:
+    """cuda_ipc GB/s on a KV-shaped plan beside the device-to-device copy ceiling (module doc):
+    ``in_flight`` transfers of the plan posted back to back, each to its own slot of the receiver's
+    counter (into the same pool bytes), timed from the first post to the last transfer counted."""
     from kvtransfer import EndpointInfo, EngineConfig, KVLayout, create_engine, pack_immediate, plan_writes, to_write_ops
 
     layout = KVLayout(32, -(-tokens // BS), BS, 8, 128, 2)
@@ -149,19 +166,20 @@ def ipc_rate(tokens: int, reps: int) -> dict:
         plan = plan_writes(layout, layout, ids, ids, 1 << 22)
         times = []
         for _ in range(reps + 1):
-            parent.send(len(plan))
-            slot, gen = parent.recv()
-            ops = to_write_ops(plan, local, info.regions[0].key, pack_immediate(slot, gen))
+            parent.send((len(plan), in_flight))
+            slots = parent.recv()
+            batches = [to_write_ops(plan, local, info.regions[0].key, pack_immediate(*slot)) for slot in slots]
             t0 = time.perf_counter()
-            engine.wait(engine.post_writes(peer, ops), 120)
+            for handle in [engine.post_writes(peer, ops) for ops in batches]:
+                engine.wait(handle, 120)
             assert parent.recv() == "done"
             times.append(time.perf_counter() - t0)
         engine.close()
         dst = torch.empty_like(src)
         copy_s = _time(lambda: dst.copy_(src), "cuda", reps)
         nbytes = sum(w.length for w in plan)
-        ipc_s = sorted(times[1:])[len(times[1:]) // 2]
-        return {"bytes": nbytes, "writes": len(plan), "bytes_per_write": nbytes // len(plan),
+        ipc_s = sorted(times[1:])[len(times[1:]) // 2] / in_flight
+        return {"bytes": nbytes, "writes": len(plan), "bytes_per_write": nbytes // len(plan), "in_flight": in_flight,
                 "ipc_gb_s": nbytes / ipc_s / 1e9, "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / ipc_s}
     finally:
         parent.send(None)
@@ -178,6 +196,9 @@ def _print_row(r: dict) -> None:
 IPC_TOKENS = (4096, 16384)
 """Context lengths of the two cuda_ipc plans: 512 writes each (32 layers x K|V x 8 KV heads), of
 1 MiB and 4 MiB."""
+IPC_IN_FLIGHT = 4
+"""Transfers posted back to back in the throughput rows (a decode worker receives several
+requests' KV at once)."""
 
 
 def fixed_and_streaming(sizes: list[dict]) -> dict:
@@ -241,6 +262,7 @@ def main(argv=None) -> dict:
              + ([] if args.no_compiled else [(w, "compiled+graphs" if cuda and not args.no_graphs else "compiled")
                                              for w in reversed(dtypes)]))
     theirs: dict[str, dict[int, tuple[float, float]]] = {}
+    hf_models: dict[str, torch.nn.Module] = {}   # kept: prefill is measured again beside each row
     with tempfile.TemporaryDirectory() as tmp:
         path = build_shapes_checkpoint(Path(tmp) / "smollm2-shapes", Path(args.tokenizer), layers)
         for weights, mode in order:
@@ -260,6 +282,15 @@ def main(argv=None) -> dict:
                     print(f"cuda_ipc per transfer of {sizes[0]['writes']} writes: {fit['fixed_us']:.0f} us fixed, "
                           f"then {fit['streaming_gb_s']:.0f} GB/s (copy ceiling {sizes[-1]['copy_gb_s']:.0f} GB/s)",
                           flush=True)
+                piped = result["cuda_ipc_in_flight"] = []
+                for tokens in (512,) if args.quick else IPC_TOKENS:
+                    if late(f"cuda_ipc {tokens} tokens, {IPC_IN_FLIGHT} in flight"):
+                        break
+                    piped.append(ipc := ipc_rate(tokens, reps, IPC_IN_FLIGHT))
+                    print(f"cuda_ipc, {IPC_IN_FLIGHT} transfers in flight: {ipc['writes']} writes of "
+                          f"{ipc['bytes_per_write'] / 2**20:.2f} MiB each: {ipc['ipc_gb_s']:.1f} GB/s vs "
+                          f"{ipc['copy_gb_s']:.1f} GB/s ({ipc['ratio']:.2f}x the ceiling)", flush=True)
+                    save()
                 continue
             label = f"{weights} {mode}"
             if late(label, 60.0 if mode.startswith("compiled") else 0.0):
@@ -267,19 +298,20 @@ def main(argv=None) -> dict:
             if weights not in theirs:
                 dtype = torch.float32 if weights == "fp32" else torch.bfloat16
                 hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
+                hf_models[weights] = hf
                 theirs[weights] = {b: hf_rates(hf, b, reps, steps, args.device) for b in batches}
-                del hf
             built = time.monotonic()
             loaded = load_model(path, weights=weights, device=args.device, compiled=mode.startswith("compiled"))
             for b in batches:
                 if late(f"{label} batch {b}"):
                     break
                 ours = engine_rates(loaded, weights, b, reps, steps, graphs=mode.endswith("graphs"))
+                prefill_theirs = hf_prefill_rate(hf_models[weights], b, reps, args.device)
                 for i, phase in enumerate(("prefill", "decode")):
+                    ref = prefill_theirs if phase == "prefill" else theirs[weights][b][1]
                     rows.append({"weights": weights, "step": mode, "compiled": mode.startswith("compiled"), "phase": phase,
-                                 "batch": b,
-                                 "pdserve_tok_s": ours[i], "transformers_tok_s": theirs[weights][b][i],
-                                 "ratio": ours[i] / theirs[weights][b][i]})
+                                 "batch": b, "pdserve_tok_s": ours[i], "transformers_tok_s": ref,
+                                 "ratio": ours[i] / ref})
                     _print_row(rows[-1])
                 save()
             if mode != "eager":   # graphs are built before timing, compiled ones in the untimed warm-up

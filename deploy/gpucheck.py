@@ -173,6 +173,9 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
         ipc = bench_rows["cuda_ipc"]
         print(f"| bench cuda_ipc | {ipc['ratio']:.2f}x the copy ceiling | | {ipc['ipc_gb_s']:.1f} vs "
               f"{ipc['copy_gb_s']:.1f} GB/s, {ipc['bytes_per_write'] / 2**20:.2f} MiB per write |")
+    for ipc in bench_rows.get("cuda_ipc_in_flight", []):
+        print(f"| bench cuda_ipc, {ipc['in_flight']} in flight | {ipc['ratio']:.2f}x the copy ceiling | | "
+              f"{ipc['ipc_gb_s']:.1f} vs {ipc['copy_gb_s']:.1f} GB/s, {ipc['bytes_per_write'] / 2**20:.2f} MiB per write |")
     (out / "gpucheck.json").write_text(json.dumps({"versions": versions.stdout.strip(), "steps": steps, "tests": tests,
                                                          "bench": bench_rows}, indent=1))
     failed = [t for t in tests if t["outcome"] in ("failed", "error")]

@@ -256,13 +256,20 @@ class OutboundStream:
     flagging each part's last frame ACK_REQ/``seq`` and the very last frame FLUSH. The tx thread
     hands it everything already queued (up to ``MERGE_BYTES``), so a writer that posts faster than
     the wire drains pays one wake-up and one ACK round trip per group rather than per batch.
+
+    ``flush(sock)``, where given, finishes what ``send_batches`` left deferred (cuda_ipc: NOTIFY
+    frames held until their copies complete, so the next group's copies are launched while the last
+    group's run). The tx thread calls it whenever its queue is empty, before it blocks for more
+    work, and once more before BYE; it must return with nothing deferred, even when it raises.
     """
 
     MERGE_BYTES = 16 << 20
 
     def __init__(self, sock: socket.socket, name: str, shared: Shared, peer: str, threads: ThreadGroup,
-                 send_batches: Callable[[socket.socket, list[tuple[Sequence[WriteOp], int]]], None]) -> None:
+                 send_batches: Callable[[socket.socket, list[tuple[Sequence[WriteOp], int]]], None],
+                 flush: Callable[[socket.socket], None] | None = None) -> None:
         self.sock, self._shared, self._peer, self._send_batches = sock, shared, peer, send_batches
+        self._flush = flush
         self._queue: queue.SimpleQueue[tuple[WriteHandle, Sequence[WriteOp], int] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._outstanding: dict[int, WriteHandle] = {}
@@ -289,9 +296,25 @@ class OutboundStream:
             nbytes += item[2]
         return group, False
 
+    def _next(self) -> tuple[WriteHandle, Sequence[WriteOp], int] | None:
+        """The next queued item, waiting for one; with a ``flush``, what was deferred is finished
+        first whenever nothing is queued."""
+        if self._flush is not None:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                self._finish_deferred()
+        return self._queue.get()
+
+    def _finish_deferred(self) -> None:
+        try:
+            self._flush(self.sock)
+        except (OSError, KVTransferError) as exc:
+            self._break(PeerLostError(f"send to {self._peer} failed: {exc}"))
+
     def _run_tx(self) -> None:
         stop = False
-        while not stop and (item := self._queue.get()) is not None:
+        while not stop and (item := self._next()) is not None:
             group, stop = self._take_group(item)
             if self.broken is not None:
                 for handle, _, _ in group:
@@ -307,6 +330,8 @@ class OutboundStream:
                 self._send_batches(self.sock, batches)
             except (OSError, KVTransferError) as exc:
                 self._break(PeerLostError(f"send to {self._peer} failed: {exc}"))
+        if self._flush is not None:
+            self._finish_deferred()
         try:
             if self.broken is None:
                 self.sock.sendall(Frame(FrameType.BYE).pack())

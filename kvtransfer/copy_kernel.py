@@ -90,6 +90,9 @@ def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int
     dtype = UNITS[unit]
     dst_units = dst[: dst.numel() - dst.numel() % unit].view(dtype)
     src_units = src[: src.numel() - src.numel() % unit].view(dtype)
-    desc_t = torch.from_numpy(desc // unit).to(dst.device, non_blocking=True)
+    desc_t = torch.from_numpy(desc // unit)
+    if dst.is_cuda:   # from pinned memory: a copy from pageable memory may wait for the stream's earlier work
+        desc_t = desc_t.pin_memory()
+    desc_t = desc_t.to(dst.device, non_blocking=True)
     programs = min(MAX_PROGRAMS, -(-int(n.max()) // unit // BLOCK))
     _copy_ranges_kernel[(len(desc), programs)](dst_units, src_units, desc_t, programs, BLOCK=BLOCK)

@@ -11,15 +11,18 @@ authenticates with the cluster secret (tcp's handshake); only then does it recei
 Writer: a batch's writes become device-to-device copies (`copy_plan`: per pair of local and peer
 region, runs contiguous on both sides merged), all of a pair's in one launch of
 `kvtransfer.copy_kernel.copy_ranges` (a lone range, or no Triton: ``cudaMemcpyAsync``), on the
-stream thread's own CUDA stream; the stream is synchronized, and only then does a NOTIFY frame carry
-the batch's descriptors to the receiver, which checks them against its exports again and delivers
-the immediates, counted as every engine's are. An immediate therefore means the bytes are in the
-reader's pool. Keys and bounds are checked by the writer before any copy (as shm's: no NIC checks
-them).
+stream thread's own CUDA stream, followed by a CUDA event. Only once that event has completed does
+a NOTIFY frame carry the batch's descriptors to the receiver, which checks them against its exports
+again and delivers the immediates, counted as every engine's are. An immediate therefore means the
+bytes are in the reader's pool. Keys and bounds are checked by the writer before any copy (as
+shm's: no NIC checks them). The stream thread does not wait for a group's event before it launches
+the next queued group's copies (at most `IN_FLIGHT` groups), so the copy engine is not idle while
+Python plans the next group; with nothing queued it waits for every event and sends their NOTIFYs
+in order (`_IpcSender`).
 
-Closing: a stream's thread waits for the copies it issued before it sends their NOTIFY, so a
-close that joins the threads returns with no copy in flight; the peer's allocations are closed
-(``cudaIpcCloseMemHandle``) when the writer disconnects.
+Closing: a stream's thread waits for the copies it issued before it sends their NOTIFY, and
+before BYE, so a close that joins the threads returns with no copy in flight; the peer's
+allocations are closed (``cudaIpcCloseMemHandle``) when the writer disconnects.
 
 Needs cupy and a CUDA device (`EngineUnavailableError` otherwise). The export table and the copy
 plan are plain functions, tested on the CPU.
@@ -32,7 +35,7 @@ import dataclasses
 import json
 import socket
 import struct
-import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +56,8 @@ IPC_HANDLE_BYTES = 64   # sizeof(cudaIpcMemHandle_t)
 IPC_LAZY_PEER_ACCESS = 1   # cudaIpcMemLazyEnablePeerAccess (CUDA runtime API, driver_types.h)
 _LEN = struct.Struct("!I")
 _MAX_TABLE = 1 << 20
+IN_FLIGHT = 2
+"""Groups of copies a stream thread has launched and not yet notified, at most."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +134,6 @@ class CudaIpcEngine(SoftwareEngine):
         self._opened: dict[str, list[int]] = {}   # peer endpoint id -> opened allocation bases
         self._remote: dict[str, dict[int, torch.Tensor]] = {}   # peer -> key -> its region's bytes, opened
         self._lengths: dict[str, dict[int, int]] = {}
-        self._streams = threading.local()
         self._path = f"@pdserve-kv-ipc-{self._s.endpoint_id}"
         self._listen_unix(self._path)
 
@@ -192,8 +196,8 @@ class CudaIpcEngine(SoftwareEngine):
         except BaseException:
             sock.close()
             raise
-        send = lambda s, batches: self._send_batches(remote, s, batches)  # noqa: E731
-        return [OutboundStream(sock, f"kv-ipc-{tag}", self._s, tag, self._threads, send)]
+        sender = _IpcSender(self._cp.cuda.runtime, self._exports, remote)
+        return [OutboundStream(sock, f"kv-ipc-{tag}", self._s, tag, self._threads, sender.send, sender.flush)]
 
     def _open_exports(self, endpoint_id: str, exports: list[IpcExport]) -> dict[int, torch.Tensor]:
         runtime = self._cp.cuda.runtime
@@ -225,26 +229,6 @@ class CudaIpcEngine(SoftwareEngine):
     def _check_remote(self, peer: OutboundPeer, ops: Sequence[WriteOp]) -> RemoteAccessError | None:
         return check_remote_ranges(ops, self._lengths.get(peer.info.endpoint_id, {}))
 
-    def _send_batches(self, remote: dict[int, torch.Tensor], sock: socket.socket,
-                      batches: list[tuple[Sequence[WriteOp], int]]) -> None:
-        runtime = self._cp.cuda.runtime
-        stream = None
-        for (local_key, remote_key), ranges in copy_plan([op for batch, _ in batches for op in batch]).items():
-            src, dst = home_bytes(self._exports.get(local_key).owner), remote[remote_key]
-            if stream is None:   # this stream thread's own CUDA stream
-                stream = getattr(self._streams, "stream", None) or torch.cuda.Stream(device=src.device)
-                self._streams.stream = stream
-            with torch.cuda.device(src.device), torch.cuda.stream(stream):
-                if len(ranges) > 1 and copy_kernel.available(src.device):
-                    copy_kernel.copy_ranges(dst, src, ranges)
-                else:
-                    for d, s, n in ranges:
-                        runtime.memcpyAsync(dst.data_ptr() + d, src.data_ptr() + s, n,
-                                            runtime.memcpyDeviceToDevice, stream.cuda_stream)
-        if stream is not None:
-            stream.synchronize()   # the bytes are in the peer's pool before its immediates are sent
-        sock.sendall(b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches)))
-
     def disconnect(self, peer) -> None:  # type: ignore[override]
         with self._lock:
             state = self._peers.get(peer)
@@ -254,6 +238,55 @@ class CudaIpcEngine(SoftwareEngine):
             self._lengths.pop(state.info.endpoint_id, None)
             for base in self._opened.pop(state.info.endpoint_id, []):
                 self._cp.cuda.runtime.ipcCloseMemHandle(base)
+
+
+class _IpcSender:
+    """One stream thread's writes to one peer (module doc): ``send`` launches a group's copies on
+    the thread's own CUDA stream and records an event after them; a group's NOTIFY frames go out,
+    in order, once its event has completed: checked after each launch, waited for when more than
+    `IN_FLIGHT` groups are pending, and by ``flush`` for all of them. Used by the stream's tx thread
+    alone."""
+
+    def __init__(self, runtime, exports: MemoryTable, remote: dict[int, torch.Tensor]) -> None:
+        self._runtime, self._exports, self._remote = runtime, exports, remote
+        self._stream: torch.cuda.Stream | None = None
+        self._pending: deque[tuple[torch.cuda.Event, bytes]] = deque()
+
+    def send(self, sock: socket.socket, batches: list[tuple[Sequence[WriteOp], int]]) -> None:
+        """Launch the copies of ``batches`` (`OutboundStream`'s batch parts), defer their NOTIFY."""
+        stream = None
+        for (local_key, remote_key), ranges in copy_plan([op for batch, _ in batches for op in batch]).items():
+            src, dst = home_bytes(self._exports.get(local_key).owner), self._remote[remote_key]
+            stream = self._stream = self._stream or torch.cuda.Stream(device=src.device)
+            with torch.cuda.device(src.device), torch.cuda.stream(stream):
+                if len(ranges) > 1 and copy_kernel.available(src.device):
+                    copy_kernel.copy_ranges(dst, src, ranges)
+                else:
+                    for d, s, n in ranges:
+                        self._runtime.memcpyAsync(dst.data_ptr() + d, src.data_ptr() + s, n,
+                                                  self._runtime.memcpyDeviceToDevice, stream.cuda_stream)
+        event = torch.cuda.Event()
+        if stream is not None:
+            event.record(stream)
+        self._pending.append((event, b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches))))
+        while self._pending and (len(self._pending) > IN_FLIGHT or self._pending[0][0].query()):
+            event, frames = self._pending[0]
+            event.synchronize()   # the bytes are in the peer's pool before its immediates are sent
+            self._pending.popleft()
+            sock.sendall(frames)
+
+    def flush(self, sock: socket.socket) -> None:
+        """Wait for every pending group's copies and send its NOTIFY frames, in order; returns with
+        none pending (and no copy in flight) even when a send raises ``OSError``."""
+        try:
+            while self._pending:
+                event, frames = self._pending[0]
+                event.synchronize()
+                self._pending.popleft()
+                sock.sendall(frames)
+        finally:
+            while self._pending:
+                self._pending.popleft()[0].synchronize()
 
 
 def _recv_table(sock: socket.socket) -> list[IpcExport]:

@@ -50,3 +50,67 @@ def test_cuda_ipc_is_refused_with_the_reason_where_it_cannot_run():
     with pytest.raises(EngineUnavailableError, match="cupy|CUDA device"):
         create_engine("cuda_ipc", EngineConfig(secret=b"0123456789abcdef"))
     assert TransportKind("cuda_ipc") is TransportKind.CUDA_IPC
+
+
+def test_a_stream_thread_sends_what_it_deferred_once_idle_and_before_bye():
+    """`OutboundStream`'s ``flush`` hook, as cuda_ipc uses it (NOTIFYs held until their copies
+    complete): nothing deferred is left unsent once the queue is empty, ordering is kept, BYE comes
+    last, and the handles complete from the receiver's ACKs. Real sockets and threads; the deferring
+    ``send_batches`` stands in for the CUDA copies."""
+    import socket
+    import threading
+
+    from kvtransfer.connection import OutboundStream, Shared, ThreadGroup
+    import numpy as np
+
+    from kvtransfer.frame import (D_END_BATCH, DESC_DTYPE, DESC_SIZE, HEADER, HEADER_SIZE, MAGIC, T_ACK, T_BYE, T_NOTIFY,
+                                  VERSION, group_frames, recv_exact)
+
+    writer, reader = socket.socketpair()
+    deferred: list[bytes] = []
+    flushes = []
+
+    def send(sock, batches):   # launch (nothing here) and defer the NOTIFY
+        deferred.append(b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches)))
+
+    def flush(sock):
+        flushes.append(len(deferred))
+        while deferred:
+            sock.sendall(deferred.pop(0))
+
+    shared = Shared.create(EngineConfig(secret=b"s" * 32), None)
+    threads = ThreadGroup()
+    stream = OutboundStream(writer, "kv-test", shared, "peer", threads, send, flush)
+    local = MemoryRegion(0, 1 << 20, 1)
+    handles = []
+    for i in range(3):
+        handles.append(h := shared.tracker.new("peer", 1, 1, 8))
+        stream.submit(h, [WriteOp(local, 8 * i, 9, 8 * i, 8, imm=i)], 8)
+    seen: list[tuple[int, int]] = []   # (frame type, seq) in wire order
+
+    def receive():
+        head = memoryview(bytearray(HEADER_SIZE))
+        while recv_exact(reader, head):
+            _, _, ftype, flags, _, _, _, _, count, seq = HEADER.unpack(head)
+            descs = bytearray(count * DESC_SIZE if ftype == T_NOTIFY else 0)
+            recv_exact(reader, memoryview(descs))
+            parts = int((np.frombuffer(bytes(descs), DESC_DTYPE)["flags"] & D_END_BATCH).astype(bool).sum())
+            for i in range(parts):   # a group's frame ends parts seq, seq + 1, ...: ACK each
+                seen.append((ftype, seq + i))
+                reader.sendall(HEADER.pack(MAGIC, VERSION, T_ACK, 0, 0, 0, 0, 0, 0, seq + i))
+            if ftype == T_BYE:
+                seen.append((ftype, seq))
+                reader.shutdown(socket.SHUT_WR)   # as a receiver does: the writer's ack thread ends
+                return
+
+    rx = threading.Thread(target=receive, name="test-ipc-reader", daemon=True)
+    rx.start()
+    for h in handles:   # completed only if their deferred NOTIFYs went out with no further submit
+        assert shared.tracker.wait(h, 10).error is None
+    stream.close(10)
+    rx.join(10)
+    assert not rx.is_alive() and threads.join_all(5) == []
+    assert [t for t, _ in seen][-1] == T_BYE and not deferred
+    assert [seq for t, seq in seen if t == T_NOTIFY] == [1, 2, 3]   # every part, in order
+    assert flushes and flushes[-1] == 0   # the last flush, before BYE, found nothing left
+    reader.close()
