@@ -17,8 +17,13 @@
   counted, against the copy ceiling: a torch device-to-device copy of the same bytes in this
   process. The two sizes split a transfer's time into a fixed part and a streaming rate
   (`fixed_and_streaming`). Then the throughput with `IPC_IN_FLIGHT` transfers posted back to back,
-  as a decode worker receives several requests' KV at once. Both sides of every prefill ratio are
-  measured back to back, transformers again beside each engine row.
+  as a decode worker receives several requests' KV at once, and where a round's time goes (every
+  post returned, every write ACKed, every transfer counted). That plan is contiguous on both sides
+  and becomes one copy; the copy kernel is measured alone on the same KV written into blocks in
+  reverse order (one range per block, as scattered as a decode pool's), for several launch shapes
+  (`copy_kernel_rates`).
+- Both sides of every prefill ratio are measured back to back, transformers again beside each
+  engine row.
 
 Runs on the CPU too (``--device cpu``, small sizes: a smoke test of this script), never for
 figures.
@@ -124,13 +129,22 @@ def hf_rates(hf, batch: int, reps: int, steps: int, device: str) -> tuple[float,
     return hf_prefill_rate(hf, batch, reps, device), batch * steps / min(decode() for _ in range(max(1, reps // 2)))
 
 
-def _ipc_receiver(conn, nbytes: int) -> None:
+def _pool(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
+    """A pool of ``nbytes`` for engine ``kind``: on the GPU for cuda_ipc, in shared memory for shm."""
+    from kvtransfer import allocate_shared_buffer
+
+    if kind == "shm":
+        return allocate_shared_buffer(nbytes)
+    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda"), None
+
+
+def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
     from kvtransfer import CompletionCounter, EngineConfig, create_engine
 
     counter = CompletionCounter(8)
-    engine = create_engine("cuda_ipc", EngineConfig(secret=SECRET), arrivals=counter)
-    pool = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-    engine.register_memory(pool)
+    engine = create_engine(kind, EngineConfig(secret=SECRET), arrivals=counter)
+    pool, shared = _pool(kind, nbytes)
+    engine.register_memory(pool, shared=shared)
     conn.send(engine.describe().to_bytes())
     while (cmd := conn.recv()) is not None:
         writes, in_flight = cmd
@@ -145,47 +159,95 @@ def _ipc_receiver(conn, nbytes: int) -> None:
     engine.close()
 
 
-def ipc_rate(tokens: int, reps: int, in_flight: int = 1) -> dict:
+def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc") -> dict:
     """cuda_ipc GB/s on a KV-shaped plan beside the device-to-device copy ceiling (module doc):
     ``in_flight`` transfers of the plan posted back to back, each to its own slot of the receiver's
-    counter (into the same pool bytes), timed from the first post to the last transfer counted."""
+    counter (into the same pool bytes), timed from the first post to the last transfer counted.
+    ``kind="shm"``: the same with host pools in shared memory (the software path cuda_ipc shares,
+    without CUDA; its ceiling is a host copy)."""
     from kvtransfer import EndpointInfo, EngineConfig, KVLayout, create_engine, pack_immediate, plan_writes, to_write_ops
 
     layout = KVLayout(32, -(-tokens // BS), BS, 8, 128, 2)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_ipc_receiver, args=(child, layout.total_bytes), name="bench-ipc-receiver", daemon=True)
+    proc = ctx.Process(target=_ipc_receiver, args=(child, layout.total_bytes, kind), name="bench-ipc-receiver",
+                       daemon=True)
     proc.start()
     try:
         info = EndpointInfo.from_bytes(parent.recv())
-        src = torch.randint(0, 255, (layout.total_bytes,), dtype=torch.uint8, device="cuda")
-        engine = create_engine("cuda_ipc", EngineConfig(secret=SECRET))
-        local = engine.register_memory(src)
+        src, shared = _pool(kind, layout.total_bytes)
+        engine = create_engine(kind, EngineConfig(secret=SECRET))
+        local = engine.register_memory(src, shared=shared)
         peer = engine.connect(info)
         ids = list(range(layout.num_blocks))
         plan = plan_writes(layout, layout, ids, ids, 1 << 22)
-        times = []
+        times, posted, acked = [], [], []
         for _ in range(reps + 1):
             parent.send((len(plan), in_flight))
             slots = parent.recv()
             batches = [to_write_ops(plan, local, info.regions[0].key, pack_immediate(*slot)) for slot in slots]
             t0 = time.perf_counter()
-            for handle in [engine.post_writes(peer, ops) for ops in batches]:
+            handles = [engine.post_writes(peer, ops) for ops in batches]
+            posted.append(time.perf_counter() - t0)
+            for handle in handles:
                 engine.wait(handle, 120)
+            acked.append(time.perf_counter() - t0)
             assert parent.recv() == "done"
             times.append(time.perf_counter() - t0)
         engine.close()
         dst = torch.empty_like(src)
-        copy_s = _time(lambda: dst.copy_(src), "cuda", reps)
+        copy_s = _time(lambda: dst.copy_(src), str(src.device), reps)
         nbytes = sum(w.length for w in plan)
-        ipc_s = sorted(times[1:])[len(times[1:]) // 2] / in_flight
+        def median_us(xs: list[float]) -> float:
+            return sorted(xs[1:])[len(xs[1:]) // 2] * 1e6
+
+        ipc_s = median_us(times) / 1e6 / in_flight
         return {"bytes": nbytes, "writes": len(plan), "bytes_per_write": nbytes // len(plan), "in_flight": in_flight,
-                "ipc_gb_s": nbytes / ipc_s / 1e9, "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / ipc_s}
+                "ipc_gb_s": nbytes / ipc_s / 1e9, "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / ipc_s,
+                # where a round's time goes, from its first post: every post returned, every write
+                # ACKed to the writer, every transfer counted by the receiver (the bench's pipe)
+                "posted_us": median_us(posted), "acked_us": median_us(acked), "counted_us": median_us(times)}
     finally:
         parent.send(None)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+COPY_SHAPES = ((1024, 64, 4), (512, 64, 4), (512, 64, 2), (256, 64, 2), (4096, 64, 8))
+"""``(block, max_programs, num_warps)`` launches of `kvtransfer.copy_kernel.copy_ranges` measured
+alone (`copy_kernel_rates`); the first is the default."""
+
+
+def copy_kernel_rates(tokens: int, reps: int, device: str = "cuda") -> list[dict]:
+    """The device copies of a KV plan of ``tokens`` into blocks in the reverse order (as scattered
+    as a decode pool's: one range per block, layer, K|V and head, after `copy_plan`'s merging; the
+    cuda_ipc rows' plan is contiguous on both sides and becomes one copy), in one process and
+    without the protocol: `copy_ranges` for each of `COPY_SHAPES`, synchronized after each launch,
+    beside a torch copy of the same bytes in one call."""
+    from kvtransfer import KVLayout, MemoryRegion, plan_writes, to_write_ops
+    from kvtransfer import copy_kernel
+    from kvtransfer.cuda_ipc import copy_plan
+
+    layout = KVLayout(32, -(-tokens // BS), BS, 8, 128, 2)
+    ids = list(range(layout.num_blocks))
+    plan = plan_writes(layout, layout, ids, ids[::-1], 1 << 22)   # a decode pool's blocks are scattered
+    ((_, ranges),) = copy_plan(to_write_ops(plan, MemoryRegion(0, layout.total_bytes, 1), 2, 0)).items()
+    src = torch.randint(0, 255, (layout.total_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    nbytes = sum(n for _, _, n in ranges)
+    copy_s = _time(lambda: dst.copy_(src), device, reps)
+    out = []
+    for block, programs, warps in COPY_SHAPES:
+        kernel_s = _time(lambda: copy_kernel.copy_ranges(dst, src, ranges, block=block, max_programs=programs,
+                                                         num_warps=warps), device, reps, 2)
+        out.append({"block": block, "max_programs": programs, "num_warps": warps, "ranges": len(ranges),
+                    "bytes": nbytes, "kernel_gb_s": nbytes / kernel_s / 1e9, "copy_gb_s": nbytes / copy_s / 1e9,
+                    "ratio": copy_s / kernel_s})
+        if device == "cpu":   # under TRITON_INTERPRET=1 (a check of this function, not a figure)
+            d, s, n = ranges[-1]
+            assert torch.equal(dst[d:d + n], src[s:s + n])
+    return out
 
 
 def _print_row(r: dict) -> None:
@@ -275,13 +337,25 @@ def main(argv=None) -> dict:
                     result.setdefault("cuda_ipc", ipc)
                     print(f"cuda_ipc: {ipc['writes']} writes of {ipc['bytes_per_write'] / 2**20:.2f} MiB: "
                           f"{ipc['ipc_gb_s']:.1f} GB/s vs a device copy of the same bytes {ipc['copy_gb_s']:.1f} "
-                          f"GB/s ({ipc['ratio']:.2f}x the ceiling)", flush=True)
+                          f"GB/s ({ipc['ratio']:.2f}x the ceiling); posted after {ipc['posted_us']:.0f} us, "
+                          f"acked {ipc['acked_us']:.0f} us, counted {ipc['counted_us']:.0f} us", flush=True)
+                    kernel = result.setdefault("copy_kernel", [])
+                    for k in copy_kernel_rates(tokens, reps) if not kernel else []:   # the first size's plan
+                        kernel.append(k)
+                        print(f"copy_ranges alone, {k['ranges']} ranges of {k['bytes'] / k['ranges'] / 2**20:.2f} MiB, "
+                              f"block {k['block']} x {k['max_programs']} programs, {k['num_warps']} warps: "
+                              f"{k['kernel_gb_s']:.1f} GB/s ({k['ratio']:.2f}x the copy)", flush=True)
                     save()
                 if len(sizes) == 2:
                     result["cuda_ipc_fit"] = fit = fixed_and_streaming(sizes)
                     print(f"cuda_ipc per transfer of {sizes[0]['writes']} writes: {fit['fixed_us']:.0f} us fixed, "
                           f"then {fit['streaming_gb_s']:.0f} GB/s (copy ceiling {sizes[-1]['copy_gb_s']:.0f} GB/s)",
                           flush=True)
+                if not late("shm, 512 writes of 4 KiB"):   # the same path without CUDA, on this host
+                    result["shm_small"] = shm = ipc_rate(16, reps, kind="shm")
+                    print(f"shm (host pools), {shm['writes']} writes of {shm['bytes_per_write'] / 2**10:.0f} KiB: "
+                          f"posted after {shm['posted_us']:.0f} us, acked {shm['acked_us']:.0f} us, counted "
+                          f"{shm['counted_us']:.0f} us", flush=True)
                 piped = result["cuda_ipc_in_flight"] = []
                 for tokens in (512,) if args.quick else IPC_TOKENS:
                     if late(f"cuda_ipc {tokens} tokens, {IPC_IN_FLIGHT} in flight"):

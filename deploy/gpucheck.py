@@ -173,6 +173,9 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
         ipc = bench_rows["cuda_ipc"]
         print(f"| bench cuda_ipc | {ipc['ratio']:.2f}x the copy ceiling | | {ipc['ipc_gb_s']:.1f} vs "
               f"{ipc['copy_gb_s']:.1f} GB/s, {ipc['bytes_per_write'] / 2**20:.2f} MiB per write |")
+    for k in bench_rows.get("copy_kernel", []):
+        print(f"| bench copy_ranges block {k['block']} x {k['max_programs']}, {k['num_warps']} warps | "
+              f"{k['ratio']:.2f}x the copy | | {k['kernel_gb_s']:.1f} vs {k['copy_gb_s']:.1f} GB/s, {k['ranges']} ranges |")
     for ipc in bench_rows.get("cuda_ipc_in_flight", []):
         print(f"| bench cuda_ipc, {ipc['in_flight']} in flight | {ipc['ratio']:.2f}x the copy ceiling | | "
               f"{ipc['ipc_gb_s']:.1f} vs {ipc['copy_gb_s']:.1f} GB/s, {ipc['bytes_per_write'] / 2**20:.2f} MiB per write |")

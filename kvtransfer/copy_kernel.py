@@ -64,10 +64,13 @@ if triton is not None:
             tl.store(dst_ptr + dst_off + idx, tl.load(src_ptr + src_off + idx, mask=ok), mask=ok)
 
 
-def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int, int, int]]) -> None:
+def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int, int, int]], *,
+                block: int = BLOCK, max_programs: int = MAX_PROGRAMS, num_warps: int = 4) -> None:
     """Copy ``(dst_offset, src_offset, bytes)`` ranges from ``src`` to ``dst`` (1-D uint8 tensors
     on one device) in one launch on the current stream; returns once it is queued. Ranges must
-    lie inside both tensors (checked) and must not overlap in ``dst``.
+    lie inside both tensors (checked) and must not overlap in ``dst``. ``block`` (elements per
+    chunk, a power of two), ``max_programs`` (per range) and ``num_warps`` shape the launch
+    (`bench.gpu` measures the choices against the one-call copy).
 
     Raises ValueError for a range outside a tensor, a non-positive length or tensors that are not
     1-D uint8 on one device; RuntimeError where `available` is False.
@@ -94,5 +97,6 @@ def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int
     if dst.is_cuda:   # from pinned memory: a copy from pageable memory may wait for the stream's earlier work
         desc_t = desc_t.pin_memory()
     desc_t = desc_t.to(dst.device, non_blocking=True)
-    programs = min(MAX_PROGRAMS, -(-int(n.max()) // unit // BLOCK))
-    _copy_ranges_kernel[(len(desc), programs)](dst_units, src_units, desc_t, programs, BLOCK=BLOCK)
+    programs = min(max_programs, -(-int(n.max()) // unit // block))
+    _copy_ranges_kernel[(len(desc), programs)](dst_units, src_units, desc_t, programs, BLOCK=block,
+                                               num_warps=num_warps)
