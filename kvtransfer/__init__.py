@@ -38,10 +38,12 @@ standard library, numpy and torch; pyverbs is imported lazily.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
 
 from kvtransfer.base import (ArrivalHandler, EngineStats, ImmediateQueue, PeerId, TransferEngine,
-                             WriteCompletion, WriteHandle, WriteOp, WriteStatus)
+                             WriteCompletion, WriteHandle, WriteOp, WriteOps, WriteStatus)
 from kvtransfer.config import EngineConfig, VerbsConfig
 from kvtransfer.counter import CompletionCounter, CounterStats, SlotState, SlotStatus
 from kvtransfer.endpoint import EndpointId, EndpointInfo, MemoryRegion, TransportAddress, TransportKind
@@ -56,10 +58,20 @@ from kvtransfer.shm import SharedBuffer, allocate_shared_buffer
 EngineFactory = Callable[[EngineConfig, "ArrivalHandler | None"], TransferEngine]
 
 
+VECTOR_MIN_WRITES = 64
+"""Plans of at least this many writes become `WriteOps` (their checks, copy plans and frames as
+array operations); shorter ones stay lists, where a Python step per write costs less than the
+arrays' fixed cost."""
+
+
 def to_write_ops(plan: Iterable[PlannedWrite], local: MemoryRegion, remote_key: int,
-                 imm: int | None) -> list[WriteOp]:
-    """Turn planned writes into engine ops; every op carries ``imm`` (so the count is exact)."""
-    return [WriteOp(local, w.src_offset, remote_key, w.dst_offset, w.length, imm) for w in plan]
+                 imm: int | None) -> Sequence[WriteOp]:
+    """Turn planned writes into engine ops; every op carries ``imm`` (so the count is exact).
+    A list, or for `VECTOR_MIN_WRITES` writes or more a `WriteOps` (a tuple: the same ops)."""
+    rows = [(w.src_offset, w.dst_offset, w.length) for w in plan]
+    if len(rows) >= VECTOR_MIN_WRITES:
+        return WriteOps(local, remote_key, imm, np.array(rows, dtype=np.int64))
+    return [WriteOp(local, lo, remote_key, ro, n, imm) for lo, ro, n in rows]
 
 
 def _tcp(config: EngineConfig, arrivals: ArrivalHandler | None) -> TransferEngine:
@@ -121,7 +133,7 @@ __all__ = [
     "KVLayout", "KVTransferError", "MemoryRegion", "NoRdmaDeviceError", "PeerId", "PeerLostError",
     "PlanError", "PlannedWrite", "RemoteAccessError", "SharedBuffer", "SlotId", "SlotState",
     "SlotStatus", "TransferEngine", "TransferError", "TransferTimeout", "TransportAddress",
-    "TransportKind", "VerbsConfig", "WriteCompletion", "WriteHandle", "WriteOp", "WriteStatus",
+    "TransportKind", "VerbsConfig", "WriteCompletion", "WriteHandle", "WriteOp", "WriteOps", "WriteStatus",
     "allocate_shared_buffer", "count_writes", "create_engine", "engine_names", "pack_immediate",
     "plan_writes", "register_engine", "to_write_ops", "unpack_immediate",
 ]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NewType, Protocol
 
+import numpy as np
 import torch
 
 from kvtransfer.endpoint import EndpointInfo, MemoryRegion
@@ -60,6 +61,47 @@ class WriteOp:
     remote_offset: int
     length: int
     imm: int | None = None
+
+
+class WriteOps(list):
+    """A batch of writes from one local region to one remote region, every one carrying the same
+    immediate (what `kvtransfer.to_write_ops` builds for a long plan): a list of `WriteOp`, and
+    beside it ``arrays``, the same writes as int64 arrays (local offsets, remote offsets, lengths;
+    each ``[N]``, bytes), so that the engines' range checks, device copy plans and frame
+    descriptors take a few array operations instead of one Python step per write. Changing the
+    list in place (shuffling it, say) drops ``arrays`` (None): the engines then walk the ops one by
+    one; a slice or a sum is a plain list."""
+
+    local: MemoryRegion
+    remote_key: int
+    imm: int | None
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+    def __init__(self, local: MemoryRegion, remote_key: int, imm: int | None, writes: np.ndarray) -> None:
+        """``writes``: ``[N, 3]`` int64 rows of (local offset, remote offset, length)."""
+        super().__init__(WriteOp(local, lo, remote_key, ro, n, imm) for lo, ro, n in writes.tolist())
+        self.local, self.remote_key, self.imm = local, remote_key, imm
+        self.arrays = tuple(np.ascontiguousarray(c) for c in writes.reshape(-1, 3).T)
+
+
+def _dropping_arrays(name: str):
+    method = getattr(list, name)
+
+    def mutate(self, *args, **kwargs):
+        self.arrays = None
+        return method(self, *args, **kwargs)
+    mutate.__name__ = name
+    return mutate
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
+              "reverse", "sort", "clear"):
+    setattr(WriteOps, _name, _dropping_arrays(_name))
+
+
+def write_arrays(ops: Sequence[WriteOp]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``ops.arrays`` of a non-empty `WriteOps` whose list was not changed since; else None."""
+    return getattr(ops, "arrays", None) if len(ops) else None
 
 
 class WriteStatus(IntEnum):

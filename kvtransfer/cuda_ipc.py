@@ -39,10 +39,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtransfer import copy_kernel
-from kvtransfer.base import ArrivalHandler, Memory, WriteOp
+from kvtransfer.base import ArrivalHandler, Memory, WriteOp, write_arrays
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, MemoryRegion, TransportAddress, TransportKind, local_host_id
@@ -98,7 +99,12 @@ def copy_plan(ops: Sequence[WriteOp]) -> dict[tuple[int, int], list[tuple[int, i
     """The device copies for ``ops``: per ``(local key, peer key)``, ``(peer offset, local offset,
     bytes)`` ranges in the order of the writes, consecutive writes contiguous on both sides merged
     into one range. The ranges were checked (`CudaIpcEngine._check_remote`,
-    `SoftwareEngine._check_local`)."""
+    `SoftwareEngine._check_local`). A `WriteOps` is merged from its arrays."""
+    if (arrays := write_arrays(ops)) is not None:
+        lo, ro, n = arrays
+        starts = np.concatenate(([0], np.flatnonzero((ro[1:] != ro[:-1] + n[:-1]) | (lo[1:] != lo[:-1] + n[:-1])) + 1))
+        return {(ops.local.key, ops.remote_key): list(zip(ro[starts].tolist(), lo[starts].tolist(),
+                                                          np.add.reduceat(n, starts).tolist()))}
     out: dict[tuple[int, int], list[list[int]]] = {}
     for op in ops:
         runs = out.setdefault((op.local.key, op.remote_key), [])
@@ -255,7 +261,11 @@ class _IpcSender:
     def send(self, sock: socket.socket, batches: list[tuple[Sequence[WriteOp], int]]) -> None:
         """Launch the copies of ``batches`` (`OutboundStream`'s batch parts), defer their NOTIFY."""
         stream = None
-        for (local_key, remote_key), ranges in copy_plan([op for batch, _ in batches for op in batch]).items():
+        plans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for ops, _ in batches:   # each part on its own: a `WriteOps` part is planned from its arrays
+            for pair, ranges in copy_plan(ops).items():
+                plans.setdefault(pair, []).extend(ranges)
+        for (local_key, remote_key), ranges in plans.items():
             src, dst = home_bytes(self._exports.get(local_key).owner), self._remote[remote_key]
             stream = self._stream = self._stream or torch.cuda.Stream(device=src.device)
             with torch.cuda.device(src.device), torch.cuda.stream(stream):

@@ -41,6 +41,7 @@ from enum import IntEnum, IntFlag
 
 import numpy as np
 
+from kvtransfer.base import write_arrays
 from kvtransfer.errors import PeerLostError, TransferError
 
 if TYPE_CHECKING:
@@ -181,7 +182,14 @@ def _send_iov(sock: socket.socket, parts: list) -> None:
 
 def pack_descs(ops: "Sequence[WriteOp]") -> bytes:
     """The :data:`DESC` records of one batch part (remote key, immediate, remote offset, length),
-    back to back, its last one flagged END_BATCH."""
+    back to back, its last one flagged END_BATCH. A `WriteOps` is packed from its arrays."""
+    if (arrays := write_arrays(ops)) is not None:
+        descs = np.empty(len(ops), DESC_DTYPE)
+        descs["key"], descs["imm"] = ops.remote_key, ops.imm or 0
+        descs["offset"], descs["length"] = arrays[1], arrays[2]
+        descs["flags"] = D_HAS_IMM if ops.imm is not None else 0
+        descs["flags"][-1] |= D_END_BATCH
+        return descs.tobytes()
     pack = DESC.pack
     out = [pack(op.remote_key, op.imm or 0, op.remote_offset, op.length,
                 D_HAS_IMM if op.imm is not None else 0) for op in ops]

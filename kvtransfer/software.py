@@ -15,7 +15,7 @@ import torch
 
 from kvtransfer import auth
 from kvtransfer.base import (ArrivalHandler, EngineStats, Memory, PeerId, TransferEngine, WriteCompletion,
-                             WriteHandle, WriteOp)
+                             WriteHandle, WriteOp, write_arrays)
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, Listener, OutboundStream, Shared, ThreadGroup
 from kvtransfer.endpoint import EndpointId, EndpointInfo, MemoryRegion, TransportAddress, local_host_id
@@ -34,6 +34,14 @@ def check_remote_ranges(ops: Sequence[WriteOp], lengths: dict[int, int]) -> Remo
     """The error rejecting ``ops`` as a batch when one names a key not in ``lengths`` (remote key
     -> region bytes) or a range outside its region; None when every write fits. For engines whose
     writer is the only place a write can be checked (shm, cuda_ipc: no NIC, no receiver copy)."""
+    if (arrays := write_arrays(ops)) is not None:
+        if ops.remote_key not in lengths:
+            return RemoteAccessError(f"unknown remote memory key {ops.remote_key:#x}; batch rejected")
+        size, (_, offsets, n) = lengths[ops.remote_key], arrays
+        bad = (offsets < 0) | (n <= 0) | (offsets + n > size)
+        if not bad.any():
+            return None
+        ops = ops[int(bad.argmax()):]   # the first bad write, reported as below
     key, size = None, 0
     for op in ops:
         if op.remote_key != key:
@@ -182,6 +190,16 @@ class SoftwareEngine(TransferEngine):
         """Total bytes of ``ops``; ``RemoteAccessError`` if a local region is not registered or
         a local range leaves it (nothing is posted then)."""
         nbytes, key, length, table = 0, None, 0, self._local_table()
+        if (arrays := write_arrays(ops)) is not None:
+            reg = table.get(ops.local.key)
+            if reg is None:
+                raise RemoteAccessError(f"local region key {ops.local.key:#x} is not registered")
+            offsets, _, n = arrays
+            bad = (offsets < 0) | (n <= 0) | (offsets + n > reg.region.length)
+            if bad.any():
+                i = int(bad.argmax())
+                check_bounds(reg.region, int(offsets[i]), int(n[i]))
+            return int(n.sum())
         for op in ops:
             if op.local.key != key:
                 reg = table.get(op.local.key)

@@ -96,3 +96,60 @@ def test_plan_rejects_bad_input():
         plan_writes(SRC, DST, [0], [0], 0)
     with pytest.raises(PlanError):
         count_writes(SRC, DST, [0], [0], 1 << 20, layers=[30])
+
+
+def test_a_long_plans_ops_carry_arrays_and_every_array_path_matches_the_one_op_at_a_time_path():
+    """`to_write_ops` gives a `WriteOps` from `VECTOR_MIN_WRITES` writes on; its descriptors, copy
+    plan and range checks (array operations) equal those of the same ops as a plain list (one Python
+    step per write), errors and their messages included."""
+    from kvtransfer import VECTOR_MIN_WRITES, MemoryRegion, RemoteAccessError, WriteOps, to_write_ops
+    from kvtransfer.cuda_ipc import copy_plan
+    from kvtransfer.frame import pack_descs
+    from kvtransfer.software import check_remote_ranges
+
+    rng = random.Random(3)
+    src_ids = list(range(40))
+    dst_ids = rng.sample(range(300), 40)   # scattered: runs of one and more blocks
+    local = MemoryRegion(0, SRC.total_bytes, 0x11)
+    plan = plan_writes(SRC, DST, src_ids, dst_ids, 1 << 20)
+    assert len(plan) >= VECTOR_MIN_WRITES
+    ops = to_write_ops(plan, local, 0x22, 0xABC)
+    short = to_write_ops(plan[:VECTOR_MIN_WRITES - 1], local, 0x22, 0xABC)
+    assert isinstance(ops, WriteOps) and type(short) is list and ops[:len(short)] == short
+    shuffled = to_write_ops(plan, local, 0x22, 0xABC)
+    random.Random(1).shuffle(shuffled)   # changed in place: its arrays are dropped, its order is what counts
+    assert shuffled.arrays is None and pack_descs(shuffled) == pack_descs(list(shuffled)) != pack_descs(ops)
+    as_list = list(ops)
+    assert pack_descs(ops) == pack_descs(as_list)
+    assert copy_plan(ops) == copy_plan(as_list) and len(copy_plan(ops)[(0x11, 0x22)]) == len(ops)   # none merge
+    whole = to_write_ops(plan_writes(SRC, SRC, list(range(100)), list(range(100)), 1 << 14), local, 0x22, 1)
+    assert len(whole) >= VECTOR_MIN_WRITES and copy_plan(whole) == copy_plan(list(whole)) == {
+        (0x11, 0x22): [(0, 0, SRC.total_bytes)]}   # every write contiguous with the last on both sides
+    end = max(w.dst_offset + w.length for w in plan)
+    assert check_remote_ranges(ops, {0x22: end}) is None   # the last write ends at the region's end
+    for lengths in ({0x22: end - 1}, {0x23: end}):   # one write past the end; no such key
+        errors = [check_remote_ranges(x, lengths) for x in (ops, as_list)]
+        assert isinstance(errors[0], RemoteAccessError) and str(errors[0]) == str(errors[1])
+    no_imm = to_write_ops(plan, local, 0x22, None)
+    assert pack_descs(no_imm) == pack_descs(list(no_imm))
+
+
+def test_the_local_range_check_of_a_long_batch_refuses_as_the_short_one_does():
+    from kvtransfer import EngineConfig, RemoteAccessError, WriteOps, create_engine, to_write_ops
+
+    engine = create_engine("tcp", EngineConfig(secret=b"k" * 32))
+    try:
+        plan = plan_writes(SRC, DST, list(range(100)), list(range(100)), 1 << 20)
+        whole = to_write_ops(plan, engine.register_memory(torch.zeros(SRC.total_bytes, dtype=torch.uint8)), 0x22, 1)
+        assert engine._check_local(whole) == engine._check_local(list(whole)) == SRC.total_bytes
+        half = engine.register_memory(torch.zeros(SRC.total_bytes // 2, dtype=torch.uint8))   # the layout's first half
+        ops = to_write_ops(plan, half, 0x22, 1)
+        assert isinstance(ops, WriteOps)
+        errors = []
+        for batch in (ops, list(ops)):
+            with pytest.raises(RemoteAccessError, match="outside region") as info:
+                engine._check_local(batch)
+            errors.append(str(info.value))
+        assert errors[0] == errors[1]
+    finally:
+        engine.close()
