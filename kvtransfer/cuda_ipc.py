@@ -39,11 +39,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvtransfer import copy_kernel
-from kvtransfer.base import ArrivalHandler, Memory, WriteOp, write_arrays
+from kvtransfer.base import ArrivalHandler, Memory, WriteOp, merged_ranges, write_arrays
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, MemoryRegion, TransportAddress, TransportKind, local_host_id
@@ -101,10 +100,7 @@ def copy_plan(ops: Sequence[WriteOp]) -> dict[tuple[int, int], list[tuple[int, i
     into one range. The ranges were checked (`CudaIpcEngine._check_remote`,
     `SoftwareEngine._check_local`). A `WriteOps` is merged from its arrays."""
     if (arrays := write_arrays(ops)) is not None:
-        lo, ro, n = arrays
-        starts = np.concatenate(([0], np.flatnonzero((ro[1:] != ro[:-1] + n[:-1]) | (lo[1:] != lo[:-1] + n[:-1])) + 1))
-        return {(ops.local.key, ops.remote_key): list(zip(ro[starts].tolist(), lo[starts].tolist(),
-                                                          np.add.reduceat(n, starts).tolist()))}
+        return {(ops.local.key, ops.remote_key): merged_ranges(arrays)}
     out: dict[tuple[int, int], list[list[int]]] = {}
     for op in ops:
         runs = out.setdefault((op.local.key, op.remote_key), [])

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import ArrivalHandler, WriteOp
+from kvtransfer.base import ArrivalHandler, WriteOp, merged_ranges, write_arrays
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind, local_host_id
@@ -173,10 +173,15 @@ class ShmEngine(SoftwareEngine):
         if self._s.memory.has_staged:   # device pools: their sources to the mirror first
             self.stager().stage_out([op for ops, _ in batches for op in ops])
         local = ViewCache(self._s.memory)
-        frames = []
         key = remote_key = None
-        for frame, ops in group_frames(T_NOTIFY, batches):
-            for op in ops:   # ranges were checked at post; keys are looked up once per run
+        for ops, _ in batches:   # ranges were checked at post; keys are looked up once per run
+            if (arrays := write_arrays(ops)) is not None:   # one copy per run contiguous on both sides
+                src, dst = local.view(ops.local.key), views[ops.remote_key]
+                for ro, lo, n in merged_ranges(arrays):
+                    dst[ro:ro + n] = src[lo:lo + n]
+                key = remote_key = None   # src and dst are this batch's now
+                continue
+            for op in ops:
                 if op.local.key != key:
                     key = op.local.key
                     src = local.view(key)
@@ -185,8 +190,7 @@ class ShmEngine(SoftwareEngine):
                     dst = views[remote_key]
                 ro, lo, n = op.remote_offset, op.local_offset, op.length
                 dst[ro:ro + n] = src[lo:lo + n]
-            frames.append(frame)
-        sock.sendall(b"".join(frames))
+        sock.sendall(b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches)))
 
     def disconnect(self, peer) -> None:  # type: ignore[override]
         with self._lock:
