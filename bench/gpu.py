@@ -286,8 +286,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no section (a dtype's eager, graphs or compiled rows, cuda_ipc) after this many seconds; "
                          "each row is printed and the JSON rewritten as it is measured")
+    ap.add_argument("--shm-rounds", action="store_true",
+                    help="only the rounds of 512 writes of 4 KiB over shm, 1 and IPC_IN_FLIGHT in flight (any machine)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.shm_rounds:
+        rounds = {"shm_rounds": [ipc_rate(16, 21, n, kind="shm") for n in (1, IPC_IN_FLIGHT)]}
+        for r in rounds["shm_rounds"]:
+            print(f"shm, {r['in_flight']} in flight, {r['writes']} writes of {r['bytes_per_write'] // 1024} KiB: posted "
+                  f"after {r['posted_us']:.0f} us, acked {r['acked_us']:.0f} us, counted {r['counted_us']:.0f} us")
+        if args.json:
+            write_json(args.json, rounds, args)
+        return rounds
     import transformers
 
     if not args.tokenizer:
