@@ -141,7 +141,7 @@ def _pool(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
 def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
     from kvtransfer import CompletionCounter, EngineConfig, create_engine
 
-    counter = CompletionCounter(8)
+    counter = CompletionCounter(2 * IPC_IN_FLIGHT)
     engine = create_engine(kind, EngineConfig(secret=SECRET), arrivals=counter)
     pool, shared = _pool(kind, nbytes)
     engine.register_memory(pool, shared=shared)
@@ -258,7 +258,7 @@ def _print_row(r: dict) -> None:
 IPC_TOKENS = (4096, 16384)
 """Context lengths of the two cuda_ipc plans: 512 writes each (32 layers x K|V x 8 KV heads), of
 1 MiB and 4 MiB."""
-IPC_IN_FLIGHT = 4
+IPC_IN_FLIGHT = 8
 """Transfers posted back to back in the throughput rows (a decode worker receives several
 requests' KV at once)."""
 
