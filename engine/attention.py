@@ -86,7 +86,7 @@ class ForwardBatch:
     sample_rows: torch.Tensor | None = None
     logits_spans: list[tuple[int, int]] | None = None
     decode_lens_t: torch.Tensor | None = None
-    prefill_pad: tuple[int, torch.Tensor] | None = None
+    prefill_pad: tuple[int, torch.Tensor | None] | None = None
     _decode_biases: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     _indexed_inputs: tuple | None = dataclasses.field(default=None, init=False, repr=False)
 
@@ -208,14 +208,15 @@ class ForwardBatch:
             # costs more than the padded rows' arithmetic
             prefill_pad=None if torch.device(device).type == "cpu" else self.plan_padded_prefill(device))
 
-    def plan_padded_prefill(self, device: torch.device | str = "cpu") -> tuple[int, torch.Tensor] | None:
+    def plan_padded_prefill(self, device: torch.device | str = "cpu") -> tuple[int, torch.Tensor | None] | None:
         """``(L, index)`` for a pass of two or more prompts that attend to themselves alone (each
         chunk is its sequence's start: no cached context, no one-token rows): prefill attention
         then runs as one causal SDPA over a ``[S, heads, L, head_dim]`` batch right-padded to the
         longest prompt ``L`` instead of one call per sequence (the padded keys sit after every
         real query, so the causal mask alone hides them). ``index``: ``[T]`` int64 on ``device``,
-        row ``t``'s place in the flattened ``[S * L]`` padded rows. None when the pass is not such
-        a batch, or when padding would more than double the rows attended."""
+        row ``t``'s place in the flattened ``[S * L]`` padded rows, or None when every prompt is
+        ``L`` long (the rows are that batch already: no padding, no copies). None when the pass is
+        not such a batch, or when padding would more than double the rows attended."""
         if self.is_decode or self.decode_rows is not None or len(self.seq_ranges) < 2:
             return None
         if any(ctx != n for _, n, ctx, _ in self.seq_ranges):
@@ -224,6 +225,9 @@ class ForwardBatch:
         total = sum(n for _, n, _, _ in self.seq_ranges)
         if longest * len(self.seq_ranges) > 2 * total:
             return None
+        if total == longest * len(self.seq_ranges) and all(
+                first == i * longest for i, (first, _, _, _) in enumerate(self.seq_ranges)):
+            return longest, None
         index = torch.cat([torch.arange(n) + i * longest for i, (_, n, _, _) in enumerate(self.seq_ranges)])
         return longest, index.to(device)
 
@@ -364,12 +368,15 @@ def _padded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tupl
     rows, heads, dim = q.shape
 
     def padded(x: torch.Tensor) -> torch.Tensor:
+        if index is None:   # prompts of one length: the rows are the batch already
+            return x.to(q.dtype).view(seqs, longest, x.shape[1], dim).transpose(1, 2)
         out = x.new_zeros((seqs * longest, x.shape[1], dim), dtype=q.dtype)
         out.index_copy_(0, index, x.to(q.dtype))
         return out.view(seqs, longest, x.shape[1], dim).transpose(1, 2)
 
     o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, enable_gqa=True, scale=scale)
-    return o.transpose(1, 2).reshape(seqs * longest, heads * dim).index_select(0, index)
+    o = o.transpose(1, 2).reshape(seqs * longest, heads * dim)
+    return o if index is None else o.index_select(0, index)
 
 
 def store_kv(pool: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> None:

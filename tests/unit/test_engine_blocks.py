@@ -177,6 +177,14 @@ def test_padded_prefill_equals_one_call_per_prompt():
     got = attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, window=32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got - attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, window=4)).abs().max() > 1e-3
+    # prompts of one length: the rows are the padded batch already (no index, no copies)
+    even = ForwardBatch.build([SeqChunk(list(range(9)), 0, t) for t in tables], block)
+    q9, k9, v9 = q[:36], k[:36], v[:36]
+    want = attention.paged_attention(q9, k9, v9, pool_k, pool_v, even, block)
+    even.prefill_pad = even.plan_padded_prefill()
+    assert even.prefill_pad == (9, None)
+    torch.testing.assert_close(attention.paged_attention(q9, k9, v9, pool_k, pool_v, even, block), want,
+                               rtol=1e-5, atol=1e-5)
     # a chunk with cached context, a one-token row among prompts, or padding over twice the rows: None
     assert ForwardBatch.build([SeqChunk([1, 2], 0, [0]), SeqChunk([3, 4], 5, [1])], block).plan_padded_prefill() is None
     assert ForwardBatch.build([SeqChunk([1, 2], 0, [0]), SeqChunk([3], 4, [1]), SeqChunk([5], 2, [2])],
