@@ -58,3 +58,20 @@ def test_the_gpu_bench_runs_its_cpu_smoke(tmp_path):
                                                              ("decode", 2)]
     assert all(r["pdserve_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in out["rows"])
     assert (tmp_path / "gpu.json").exists() and "cuda_ipc" not in out
+
+
+@pytest.mark.integration
+def test_the_transfer_rounds_the_gpu_bench_times_run_over_shm(tmp_path):
+    """`bench.gpu --shm-rounds`: the round `ipc_rate` times for cuda_ipc (receiver process, slots,
+    posts, ACKs, counting), over shm with host pools: every round is counted, one and
+    `IPC_IN_FLIGHT` transfers at a time, and its phases come in order."""
+    import json
+
+    from bench.gpu import IPC_IN_FLIGHT, main
+
+    out = main(["--shm-rounds", "--json", str(tmp_path / "rounds.json")])["shm_rounds"]
+    assert [r["in_flight"] for r in out] == [1, IPC_IN_FLIGHT]
+    for r in out:
+        assert r["writes"] == 512 and r["bytes"] == 512 * 4096
+        assert 0 < r["posted_us"] <= r["acked_us"] <= r["counted_us"]
+    assert len(json.loads((tmp_path / "rounds.json").read_text())["shm_rounds"]) == 2
