@@ -111,7 +111,9 @@ def hf_prefill_rate(hf, batch: int, reps: int, device: str) -> float:
 
 
 @torch.inference_mode()
-def hf_rates(hf, batch: int, reps: int, steps: int, device: str) -> tuple[float, float]:
+def hf_decode_rate(hf, batch: int, reps: int, steps: int, device: str) -> float:
+    """transformers' decode tok/s: ``steps`` one-token steps of ``batch`` sequences after prompts
+    of `PROMPT` tokens, with its KV cache (best of the timed runs)."""
     ids = torch.randint(100, 40000, (batch, PROMPT), device=device)
 
     def decode():
@@ -126,7 +128,7 @@ def hf_rates(hf, batch: int, reps: int, steps: int, device: str) -> tuple[float,
         return time.perf_counter() - t0
 
     decode()
-    return hf_prefill_rate(hf, batch, reps, device), batch * steps / min(decode() for _ in range(max(1, reps // 2)))
+    return batch * steps / min(decode() for _ in range(max(1, reps // 2)))
 
 
 def _pool(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
@@ -198,7 +200,8 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc")
         dst = torch.empty_like(src)
         copy_s = _time(lambda: dst.copy_(src), str(src.device), reps)
         nbytes = sum(w.length for w in plan)
-        def median_us(xs: list[float]) -> float:
+
+        def median_us(xs: list[float]) -> float:   # the first round is a warm-up
             return sorted(xs[1:])[len(xs[1:]) // 2] * 1e6
 
         ipc_s = median_us(times) / 1e6 / in_flight
@@ -225,8 +228,7 @@ def copy_kernel_rates(tokens: int, reps: int, device: str = "cuda") -> list[dict
     cuda_ipc rows' plan is contiguous on both sides and becomes one copy), in one process and
     without the protocol: `copy_ranges` for each of `COPY_SHAPES`, synchronized after each launch,
     beside a torch copy of the same bytes in one call."""
-    from kvtransfer import KVLayout, MemoryRegion, plan_writes, to_write_ops
-    from kvtransfer import copy_kernel
+    from kvtransfer import KVLayout, MemoryRegion, copy_kernel, plan_writes, to_write_ops
     from kvtransfer.cuda_ipc import copy_plan
 
     layout = KVLayout(32, -(-tokens // BS), BS, 8, 128, 2)
@@ -333,8 +335,8 @@ def main(argv=None) -> dict:
              # what a GPU worker runs with --no-enforce-eager: compiled layers, decode from CUDA graphs
              + ([] if args.no_compiled else [(w, "compiled+graphs" if cuda and not args.no_graphs else "compiled")
                                              for w in reversed(dtypes)]))
-    theirs: dict[str, dict[int, tuple[float, float]]] = {}
-    hf_models: dict[str, torch.nn.Module] = {}   # kept: prefill is measured again beside each row
+    theirs: dict[str, dict[int, float]] = {}   # transformers' decode tok/s per dtype and batch
+    hf_models: dict[str, torch.nn.Module] = {}   # kept: its prefill is measured beside each row
     with tempfile.TemporaryDirectory() as tmp:
         path = build_shapes_checkpoint(Path(tmp) / "smollm2-shapes", Path(args.tokenizer), layers)
         for weights, mode in order:
@@ -383,7 +385,7 @@ def main(argv=None) -> dict:
                 dtype = torch.float32 if weights == "fp32" else torch.bfloat16
                 hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
                 hf_models[weights] = hf
-                theirs[weights] = {b: hf_rates(hf, b, reps, steps, args.device) for b in batches}
+                theirs[weights] = {b: hf_decode_rate(hf, b, reps, steps, args.device) for b in batches}
             built = time.monotonic()
             loaded = load_model(path, weights=weights, device=args.device, compiled=mode.startswith("compiled"))
             for b in batches:
@@ -392,7 +394,7 @@ def main(argv=None) -> dict:
                 ours = engine_rates(loaded, weights, b, reps, steps, graphs=mode.endswith("graphs"))
                 prefill_theirs = hf_prefill_rate(hf_models[weights], b, reps, args.device)
                 for i, phase in enumerate(("prefill", "decode")):
-                    ref = prefill_theirs if phase == "prefill" else theirs[weights][b][1]
+                    ref = prefill_theirs if phase == "prefill" else theirs[weights][b]
                     rows.append({"weights": weights, "step": mode, "compiled": mode.startswith("compiled"), "phase": phase,
                                  "batch": b, "pdserve_tok_s": ours[i], "transformers_tok_s": ref,
                                  "ratio": ours[i] / ref})

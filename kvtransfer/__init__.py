@@ -67,7 +67,8 @@ arrays' fixed cost."""
 def to_write_ops(plan: Iterable[PlannedWrite], local: MemoryRegion, remote_key: int,
                  imm: int | None) -> Sequence[WriteOp]:
     """Turn planned writes into engine ops; every op carries ``imm`` (so the count is exact).
-    A list, or for `VECTOR_MIN_WRITES` writes or more a `WriteOps` (a tuple: the same ops)."""
+    A list, or for `VECTOR_MIN_WRITES` writes or more a `WriteOps` (a list of the same ops that
+    also carries them as arrays)."""
     rows = [(w.src_offset, w.dst_offset, w.length) for w in plan]
     if len(rows) >= VECTOR_MIN_WRITES:
         return WriteOps(local, remote_key, imm, np.array(rows, dtype=np.int64))
