@@ -22,8 +22,8 @@
   and becomes one copy; the copy kernel is measured alone on the same KV written into blocks in
   reverse order (one range per block, as scattered as a decode pool's), for several launch shapes
   (`copy_kernel_rates`).
-- Both sides of every prefill ratio are measured back to back, transformers again beside each
-  engine row.
+- Both sides of every prefill ratio are timed in turn, pass by pass (`paired_best`), transformers
+  again beside each engine row; every figure is the best of its timed runs.
 
 Runs on the CPU too (``--device cpu``, small sizes: a smoke test of this script), never for
 figures.
@@ -77,11 +77,32 @@ def _time(fn, device: str, reps: int, warmup: int = 1) -> float:
     return median_time(lambda: (fn(), _sync(device)), reps, warmup)
 
 
+def paired_best(fns, device: str, reps: int, warmup: int) -> list[float]:
+    """Best seconds of one call of each of ``fns``, timed in turn (``a b a b ...``, ``reps``
+    rounds after ``warmup`` untimed ones), each call synchronized with the device: the host's and
+    the GPU's drifts (clocks, a busy neighbour) fall on both sides of a ratio alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
 @torch.inference_mode()
-def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int,
-                 graphs: bool = False) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of ``batch`` sequences of `PROMPT` tokens (module doc);
-    ``graphs``: decode steps replayed from CUDA graphs (`engine.cuda_graphs`, recorded first)."""
+def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int, hf=None,
+                 graphs: bool = False) -> tuple[float, float, float | None]:
+    """(prefill tok/s, decode tok/s, transformers' prefill tok/s or None) of ``batch`` sequences of
+    `PROMPT` tokens (module doc): prefill as one pass of the batch, timed in turn with ``hf``'s
+    (transformers, the same prompts' length, `paired_best`); decode as ``steps`` steps, best of
+    the timed runs as `hf_decode_rate` takes transformers'. ``graphs``: decode steps replayed from
+    CUDA graphs (`engine.cuda_graphs`, recorded first)."""
     device = str(loaded.model.device)
     per_seq = -(-(PROMPT + steps + 2) // BS)
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=batch * per_seq + 1,
@@ -95,19 +116,15 @@ def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int,
     ids = torch.randint(100, 40000, (PROMPT,)).tolist()
     tables = [pool.allocator.allocate(per_seq) for _ in range(batch)]
     prefill = ForwardBatch.build([SeqChunk(ids, 0, t) for t in tables], BS)
-    prefill_s = _time(lambda: loaded.model.forward(prefill, pool), device, 2 * reps, PREFILL_WARMUP)
+    fns = [lambda: loaded.model.forward(prefill, pool)]
+    if hf is not None:
+        hf_ids = torch.randint(100, 40000, (batch, PROMPT), device=device)
+        fns.append(lambda: hf(hf_ids, use_cache=True, logits_to_keep=1))
+    prefill_s = paired_best(fns, device, 2 * reps, PREFILL_WARMUP)
     steps_batches = [ForwardBatch.build([SeqChunk([ids[0]], PROMPT + s, t) for t in tables], BS) for s in range(steps)]
-    decode_s = _time(lambda: [step(b, pool) for b in steps_batches], device, max(1, reps // 2))
-    return batch * PROMPT / prefill_s, batch * steps / decode_s
-
-
-@torch.inference_mode()
-def hf_prefill_rate(hf, batch: int, reps: int, device: str) -> float:
-    """transformers' prefill tok/s of ``batch`` prompts of `PROMPT` tokens, timed as the engine's
-    (`engine_rates`): measured again beside each engine row, so that both sides of a prefill ratio
-    are taken within seconds of each other."""
-    ids = torch.randint(100, 40000, (batch, PROMPT), device=device)
-    return batch * PROMPT / _time(lambda: hf(ids, use_cache=True, logits_to_keep=1), device, 2 * reps, PREFILL_WARMUP)
+    decode_s = paired_best([lambda: [step(b, pool) for b in steps_batches]], device, max(1, reps // 2), 1)[0]
+    tok = batch * PROMPT
+    return tok / prefill_s[0], batch * steps / decode_s, tok / prefill_s[1] if hf is not None else None
 
 
 @torch.inference_mode()
@@ -149,6 +166,9 @@ def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
     engine.register_memory(pool, shared=shared)
     conn.send(engine.describe().to_bytes())
     while (cmd := conn.recv()) is not None:
+        if cmd == "ping":   # `ipc_rate`'s round trip between the two processes
+            conn.send("pong")
+            continue
         writes, in_flight = cmd
         slots = [counter.acquire(60.0) for _ in range(in_flight)]
         conn.send(slots)
@@ -161,12 +181,18 @@ def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
     engine.close()
 
 
-def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc") -> dict:
+PINGS = 41
+"""Round trips between the bench and its receiver process timed after the rounds (`ipc_rate`)."""
+
+
+def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc", scattered: bool = False) -> dict:
     """cuda_ipc GB/s on a KV-shaped plan beside the device-to-device copy ceiling (module doc):
     ``in_flight`` transfers of the plan posted back to back, each to its own slot of the receiver's
     counter (into the same pool bytes), timed from the first post to the last transfer counted.
     ``kind="shm"``: the same with host pools in shared memory (the software path cuda_ipc shares,
-    without CUDA; its ceiling is a host copy)."""
+    without CUDA; its ceiling is a host copy). ``scattered``: the KV goes into the receiver's
+    blocks in reverse order (one write per block, layer, K|V and head, as into a decode pool's
+    blocks: the copy kernel's case) instead of the same blocks (writes that merge into one copy)."""
     from kvtransfer import EndpointInfo, EngineConfig, KVLayout, create_engine, pack_immediate, plan_writes, to_write_ops
 
     layout = KVLayout(32, -(-tokens // BS), BS, 8, 128, 2)
@@ -182,7 +208,7 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc")
         local = engine.register_memory(src, shared=shared)
         peer = engine.connect(info)
         ids = list(range(layout.num_blocks))
-        plan = plan_writes(layout, layout, ids, ids, 1 << 22)
+        plan = plan_writes(layout, layout, ids, ids[::-1] if scattered else ids, 1 << 22)
         times, posted, acked = [], [], []
         for _ in range(reps + 1):
             parent.send((len(plan), in_flight))
@@ -197,6 +223,12 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc")
             assert parent.recv() == "done"
             times.append(time.perf_counter() - t0)
         engine.close()
+        trips = []
+        for _ in range(PINGS):
+            t0 = time.perf_counter()
+            parent.send("ping")
+            assert parent.recv() == "pong"
+            trips.append(time.perf_counter() - t0)
         dst = torch.empty_like(src)
         copy_s = _time(lambda: dst.copy_(src), str(src.device), reps)
         nbytes = sum(w.length for w in plan)
@@ -209,7 +241,10 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc")
                 "ipc_gb_s": nbytes / ipc_s / 1e9, "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / ipc_s,
                 # where a round's time goes, from its first post: every post returned, every write
                 # ACKed to the writer, every transfer counted by the receiver (the bench's pipe)
-                "posted_us": median_us(posted), "acked_us": median_us(acked), "counted_us": median_us(times)}
+                "posted_us": median_us(posted), "acked_us": median_us(acked), "counted_us": median_us(times),
+                # the host's floor under those: one message there and back between the two
+                # processes (a pipe, each end blocked in recv), while nothing else runs
+                "round_trip_us": median_us(trips)}
     finally:
         parent.send(None)
         proc.join(30)
@@ -237,7 +272,7 @@ def copy_kernel_rates(tokens: int, reps: int, device: str = "cuda") -> list[dict
     ((_, ranges),) = copy_plan(to_write_ops(plan, MemoryRegion(0, layout.total_bytes, 1), 2, 0)).items()
     src = torch.randint(0, 255, (layout.total_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    nbytes = sum(n for _, _, n in ranges)
+    nbytes = int(ranges[:, 2].sum())
     copy_s = _time(lambda: dst.copy_(src), device, reps)
     out = []
     for block, programs, warps in COPY_SHAPES:
@@ -296,7 +331,8 @@ def main(argv=None) -> dict:
         rounds = {"shm_rounds": [ipc_rate(16, 21, n, kind="shm") for n in (1, IPC_IN_FLIGHT)]}
         for r in rounds["shm_rounds"]:
             print(f"shm, {r['in_flight']} in flight, {r['writes']} writes of {r['bytes_per_write'] // 1024} KiB: posted "
-                  f"after {r['posted_us']:.0f} us, acked {r['acked_us']:.0f} us, counted {r['counted_us']:.0f} us")
+                  f"after {r['posted_us']:.0f} us, acked {r['acked_us']:.0f} us, counted {r['counted_us']:.0f} us; "
+                  f"a round trip between the processes {r['round_trip_us']:.0f} us")
         if args.json:
             write_json(args.json, rounds, args)
         return rounds
@@ -350,7 +386,14 @@ def main(argv=None) -> dict:
                     print(f"cuda_ipc: {ipc['writes']} writes of {ipc['bytes_per_write'] / 2**20:.2f} MiB: "
                           f"{ipc['ipc_gb_s']:.1f} GB/s vs a device copy of the same bytes {ipc['copy_gb_s']:.1f} "
                           f"GB/s ({ipc['ratio']:.2f}x the ceiling); posted after {ipc['posted_us']:.0f} us, "
-                          f"acked {ipc['acked_us']:.0f} us, counted {ipc['counted_us']:.0f} us", flush=True)
+                          f"acked {ipc['acked_us']:.0f} us, counted {ipc['counted_us']:.0f} us; a round trip between the "
+                          f"processes {ipc['round_trip_us']:.0f} us", flush=True)
+                    if tokens == IPC_TOKENS[0] and not late("cuda_ipc, a scattered plan"):
+                        result["cuda_ipc_scattered"] = sc = ipc_rate(tokens, reps, scattered=True)
+                        print(f"cuda_ipc, the same KV into blocks in reverse order: {sc['writes']} writes of "
+                              f"{sc['bytes_per_write'] / 2**10:.0f} KiB: {sc['ipc_gb_s']:.1f} GB/s "
+                              f"({sc['ratio']:.2f}x the ceiling); posted after {sc['posted_us']:.0f} us, acked "
+                              f"{sc['acked_us']:.0f} us, counted {sc['counted_us']:.0f} us", flush=True)
                     kernel = result.setdefault("copy_kernel", [])
                     for k in copy_kernel_rates(tokens, reps) if not kernel else []:   # the first size's plan
                         kernel.append(k)
@@ -367,7 +410,7 @@ def main(argv=None) -> dict:
                     result["shm_small"] = shm = ipc_rate(16, reps, kind="shm")
                     print(f"shm (host pools), {shm['writes']} writes of {shm['bytes_per_write'] / 2**10:.0f} KiB: "
                           f"posted after {shm['posted_us']:.0f} us, acked {shm['acked_us']:.0f} us, counted "
-                          f"{shm['counted_us']:.0f} us", flush=True)
+                          f"{shm['counted_us']:.0f} us; a round trip between the processes {shm['round_trip_us']:.0f} us", flush=True)
                 piped = result["cuda_ipc_in_flight"] = []
                 for tokens in (512,) if args.quick else IPC_TOKENS:
                     if late(f"cuda_ipc {tokens} tokens, {IPC_IN_FLIGHT} in flight"):
@@ -391,8 +434,8 @@ def main(argv=None) -> dict:
             for b in batches:
                 if late(f"{label} batch {b}"):
                     break
-                ours = engine_rates(loaded, weights, b, reps, steps, graphs=mode.endswith("graphs"))
-                prefill_theirs = hf_prefill_rate(hf_models[weights], b, reps, args.device)
+                *ours, prefill_theirs = engine_rates(loaded, weights, b, reps, steps, hf_models[weights],
+                                                     graphs=mode.endswith("graphs"))
                 for i, phase in enumerate(("prefill", "decode")):
                     ref = prefill_theirs if phase == "prefill" else theirs[weights][b]
                     rows.append({"weights": weights, "step": mode, "compiled": mode.startswith("compiled"), "phase": phase,

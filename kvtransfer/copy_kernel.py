@@ -64,10 +64,12 @@ if triton is not None:
             tl.store(dst_ptr + dst_off + idx, tl.load(src_ptr + src_off + idx, mask=ok), mask=ok)
 
 
-def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int, int, int]], *,
+def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: np.ndarray | Sequence[tuple[int, int, int]], *,
                 block: int = BLOCK, max_programs: int = MAX_PROGRAMS, num_warps: int = 4) -> None:
     """Copy ``(dst_offset, src_offset, bytes)`` ranges from ``src`` to ``dst`` (1-D uint8 tensors
-    on one device) in one launch on the current stream; returns once it is queued. Ranges must
+    on one device) in one launch on the current stream; returns once it is queued. ``ranges`` is
+    an int64 array of shape ``(n, 3)`` (taken as it is: `kvtransfer.cuda_ipc.copy_plan` gives one)
+    or a sequence of triples (converted, one Python step per range). Ranges must
     lie inside both tensors (checked) and must not overlap in ``dst``. ``block`` (elements per
     chunk, a power of two), ``max_programs`` (per range) and ``num_warps`` shape the launch
     (`bench.gpu` measures the choices against the one-call copy).
@@ -79,7 +81,7 @@ def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int
         raise ValueError("copy_ranges takes 1-D uint8 tensors")
     if dst.device != src.device:
         raise ValueError(f"copy_ranges needs one device, got {dst.device} and {src.device}")
-    desc = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)   # one pass, not one Python step per range
+    desc = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
     if not len(desc):
         return
     d, s, n = desc.T

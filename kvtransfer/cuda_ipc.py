@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtransfer import copy_kernel
@@ -94,11 +95,13 @@ def decode_exports(body: bytes) -> list[IpcExport]:
     return exports
 
 
-def copy_plan(ops: Sequence[WriteOp]) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
-    """The device copies for ``ops``: per ``(local key, peer key)``, ``(peer offset, local offset,
-    bytes)`` ranges in the order of the writes, consecutive writes contiguous on both sides merged
-    into one range. The ranges were checked (`CudaIpcEngine._check_remote`,
-    `SoftwareEngine._check_local`). A `WriteOps` is merged from its arrays."""
+def copy_plan(ops: Sequence[WriteOp]) -> dict[tuple[int, int], np.ndarray]:
+    """The device copies for ``ops``: per ``(local key, peer key)``, an int64 array of shape
+    ``(copies, 3)`` of ``(peer offset, local offset, bytes)`` in the order of the writes,
+    consecutive writes contiguous on both sides merged into one copy (the form
+    `kvtransfer.copy_kernel.copy_ranges` takes). The ranges were checked
+    (`CudaIpcEngine._check_remote`, `SoftwareEngine._check_local`). A `WriteOps` is merged from its
+    arrays, without a Python object per write."""
     if (arrays := write_arrays(ops)) is not None:
         return {(ops.local.key, ops.remote_key): merged_ranges(arrays)}
     out: dict[tuple[int, int], list[list[int]]] = {}
@@ -109,7 +112,7 @@ def copy_plan(ops: Sequence[WriteOp]) -> dict[tuple[int, int], list[tuple[int, i
             last[2] += op.length
         else:
             runs.append([op.remote_offset, op.local_offset, op.length])
-    return {pair: [tuple(r) for r in runs] for pair, runs in out.items()}
+    return {pair: np.array(runs, dtype=np.int64).reshape(-1, 3) for pair, runs in out.items()}
 
 
 def _cupy():
@@ -257,18 +260,19 @@ class _IpcSender:
     def send(self, sock: socket.socket, batches: list[tuple[Sequence[WriteOp], int]]) -> None:
         """Launch the copies of ``batches`` (`OutboundStream`'s batch parts), defer their NOTIFY."""
         stream = None
-        plans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        parts: dict[tuple[int, int], list[np.ndarray]] = {}
         for ops, _ in batches:   # each part on its own: a `WriteOps` part is planned from its arrays
             for pair, ranges in copy_plan(ops).items():
-                plans.setdefault(pair, []).extend(ranges)
-        for (local_key, remote_key), ranges in plans.items():
+                parts.setdefault(pair, []).append(ranges)
+        for (local_key, remote_key), pieces in parts.items():
+            ranges = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
             src, dst = home_bytes(self._exports.get(local_key).owner), self._remote[remote_key]
             stream = self._stream = self._stream or torch.cuda.Stream(device=src.device)
             with torch.cuda.device(src.device), torch.cuda.stream(stream):
                 if len(ranges) > 1 and copy_kernel.available(src.device):
                     copy_kernel.copy_ranges(dst, src, ranges)
                 else:
-                    for d, s, n in ranges:
+                    for d, s, n in ranges.tolist():
                         self._runtime.memcpyAsync(dst.data_ptr() + d, src.data_ptr() + s, n,
                                                   self._runtime.memcpyDeviceToDevice, stream.cuda_stream)
         event = torch.cuda.Event()

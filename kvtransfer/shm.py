@@ -177,7 +177,7 @@ class ShmEngine(SoftwareEngine):
         for ops, _ in batches:   # ranges were checked at post; keys are looked up once per run
             if (arrays := write_arrays(ops)) is not None:   # one copy per run contiguous on both sides
                 src, dst = local.view(ops.local.key), views[ops.remote_key]
-                for ro, lo, n in merged_ranges(arrays):
+                for ro, lo, n in merged_ranges(arrays).tolist():
                     dst[ro:ro + n] = src[lo:lo + n]
                 key = remote_key = None   # src and dst are this batch's now
                 continue

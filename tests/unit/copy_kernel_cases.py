@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import torch
 
 from kvtransfer.copy_kernel import copy_ranges, unit_bytes
 
 
-def case(name: str, ranges: list[tuple[int, int, int]], size: int = 1 << 16, src_shift: int = 0) -> None:
+def case(name: str, ranges: list[tuple[int, int, int]] | np.ndarray, size: int = 1 << 16, src_shift: int = 0) -> None:
     gen = torch.Generator().manual_seed(len(ranges))
     src = torch.randint(0, 256, (size + src_shift,), dtype=torch.uint8, generator=gen)[src_shift:]
     dst = torch.zeros(size, dtype=torch.uint8)
@@ -32,6 +33,8 @@ def main() -> None:
     starts = sorted(rng.sample(range(0, 60000, 97), 20))
     case("ragged-odd", [(d, rng.randrange(0, 60000), rng.randrange(1, 90)) for d in starts])
     case("src-misaligned", [(0, 0, 64), (128, 64, 64)], src_shift=3)
+    # what cuda_ipc passes: `copy_plan`'s (copies, 3) int64 array of a scattered plan
+    case("plan-array", np.array([(i * 4096, (15 - i) * 4096 + 8, 4088) for i in range(16)], dtype=np.int64))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`kvtransfer.copy_kernel.copy_ranges`, the one-launch range copy cuda_ipc writes with, against
 plain slicing on the CPU under Triton's interpreter (`tests/unit/copy_kernel_cases.py`, in a process
 of its own): aligned KV-shaped ranges moved in 8-byte units, a range longer than its programs'
-first pass, ragged odd ranges and a misaligned source moved byte by byte. Bad ranges are refused
+first pass, ragged odd ranges and a misaligned source moved byte by byte, and the ``(n, 3)`` int64
+array `kvtransfer.cuda_ipc.copy_plan` gives. Bad ranges are refused
 before any launch."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.unit
 
 def test_every_case_copies_exactly_the_ranges():
     lines = dict(line.split(" ", 1) for line in run_interpreted("tests.unit.copy_kernel_cases").splitlines())
-    assert set(lines) == {"kv-aligned", "one-long", "ragged-odd", "src-misaligned"}
+    assert set(lines) == {"kv-aligned", "one-long", "ragged-odd", "src-misaligned", "plan-array"}
+    assert lines["plan-array"] == "unit=8 ok"
     assert lines["kv-aligned"] == "unit=8 ok" and lines["one-long"] == "unit=8 ok"
     assert lines["ragged-odd"] == "unit=1 ok" and lines["src-misaligned"] == "unit=1 ok"
 

@@ -40,8 +40,8 @@ def test_copies_merge_writes_contiguous_on_both_sides_only():
            WriteOp(local, 150, 9, 400, 10),                                   # a gap on the reader's side
            WriteOp(local, 500, 9, 410, 10),                                   # a gap on the writer's side
            WriteOp(local, 0, 8, 0, 16)]                                       # another region
-    plan = copy_plan(ops)
-    assert plan == {(1, 9): [(0, 0, 150), (400, 150, 10), (410, 500, 10)], (1, 8): [(0, 0, 16)]}
+    plan = {pair: ranges.tolist() for pair, ranges in copy_plan(ops).items()}   # (copies, 3) int64 arrays
+    assert plan == {(1, 9): [[0, 0, 150], [400, 150, 10], [410, 500, 10]], (1, 8): [[0, 0, 16]]}
 
 
 def test_cuda_ipc_is_refused_with_the_reason_where_it_cannot_run():

@@ -4,6 +4,7 @@ cuda_ipc fit, and the bench's CPU smoke run (so the script a GPU session runs ha
 
 from __future__ import annotations
 
+import time
 
 import pytest
 
@@ -44,6 +45,21 @@ def test_cuda_ipc_time_splits_into_fixed_and_streaming():
     assert abs(fit["fixed_us"] - 1000) < 1e-6 and abs(fit["streaming_gb_s"] - 2000) < 1e-6
 
 
+@pytest.mark.unit
+def test_paired_timing_alternates_its_sides_and_keeps_each_ones_best():
+    """`bench.gpu.paired_best`: warm-up rounds untimed, then ``a b a b ...``, each side's best call."""
+    from bench.gpu import paired_best
+
+    calls, naps = [], iter([0.0, 0.0, 0.02, 0.0, 0.0, 0.03])   # warm-up a b, then a b, a b
+
+    def side(name):
+        return lambda: (calls.append(name), time.sleep(next(naps)))
+
+    best = paired_best([side("a"), side("b")], "cpu", reps=2, warmup=1)
+    assert calls == ["a", "b"] * 3
+    assert best[0] < 0.015 and best[1] < 0.015   # a's slow call and b's slow call are not the best ones
+
+
 @pytest.mark.integration
 def test_the_gpu_bench_runs_its_cpu_smoke(tmp_path):
     """`bench.gpu` on the CPU at its smoke sizes (eager, no cuda_ipc): the script a GPU session
@@ -73,5 +89,5 @@ def test_the_transfer_rounds_the_gpu_bench_times_run_over_shm(tmp_path):
     assert [r["in_flight"] for r in out] == [1, IPC_IN_FLIGHT]
     for r in out:
         assert r["writes"] == 512 and r["bytes"] == 512 * 4096
-        assert 0 < r["posted_us"] <= r["acked_us"] <= r["counted_us"]
+        assert 0 < r["posted_us"] <= r["acked_us"] <= r["counted_us"] and r["round_trip_us"] > 0
     assert len(json.loads((tmp_path / "rounds.json").read_text())["shm_rounds"]) == 2
