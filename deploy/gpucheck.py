@@ -173,6 +173,11 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
         ipc = bench_rows["cuda_ipc"]
         print(f"| bench cuda_ipc | {ipc['ratio']:.2f}x the copy ceiling | | {ipc['ipc_gb_s']:.1f} vs "
               f"{ipc['copy_gb_s']:.1f} GB/s, {ipc['bytes_per_write'] / 2**20:.2f} MiB per write |")
+    if "cuda_ipc_scattered" in bench_rows:
+        sc = bench_rows["cuda_ipc_scattered"]
+        print(f"| bench cuda_ipc, scattered blocks | {sc['ratio']:.2f}x the copy ceiling | | {sc['ipc_gb_s']:.1f} vs "
+              f"{sc['copy_gb_s']:.1f} GB/s, {sc['writes']} writes of {sc['bytes_per_write'] / 2**10:.0f} KiB; a round "
+              f"trip between the processes {sc['round_trip_us']:.0f} us |")
     for k in bench_rows.get("copy_kernel", []):
         print(f"| bench copy_ranges block {k['block']} x {k['max_programs']}, {k['num_warps']} warps | "
               f"{k['ratio']:.2f}x the copy | | {k['kernel_gb_s']:.1f} vs {k['copy_gb_s']:.1f} GB/s, {k['ranges']} ranges |")
