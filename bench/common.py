@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -75,7 +76,10 @@ def cpu(cpuinfo: str | None = None) -> dict:
 
 def git_commit(root: Path = ROOT) -> str:
     """``git rev-parse --short HEAD`` in ``root``; ``"unknown"`` when that is not a git checkout
-    or git is missing."""
+    or git is missing. ``PDSERVE_COMMIT``, where set, wins: a copy of the working tree sent to
+    another machine may carry older git metadata (`deploy.gpucheck` sets it from ``prepare``)."""
+    if os.environ.get("PDSERVE_COMMIT"):
+        return os.environ["PDSERVE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10)

@@ -4,7 +4,8 @@
     python -m deploy.gpucheck run [--dir .gpucheck] [--out DIR] [--quick]   # there: offline
 
 ``prepare`` writes ``DIR/tokenizer`` (SmolLM2's tokenizer files, from its GGUF: the GPU machine has
-neither the GGUF nor a network) and ``DIR/wheels`` (`WHEELS`: what pdserve needs that the GPU
+neither the GGUF nor a network), ``DIR/commit`` (the checkout's commit, which the results name: the
+copy sent may carry older git metadata) and ``DIR/wheels`` (`WHEELS`: what pdserve needs that the GPU
 image lacks, for CPython 3.12 on manylinux x86-64). Add ``/.gpucheck/`` to ``.git/info/exclude``
 and carry the folder to the machine.
 
@@ -70,6 +71,11 @@ def prepare(folder: Path) -> None:
         for p in PLATFORMS:
             cmd[-1:-1] = ["--platform", p]
         subprocess.run(cmd, check=True)
+    from bench.common import git_commit
+
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    (folder / "commit").write_text(git_commit() + ("+changes" if dirty else ""))
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     print(f"{folder}: {len(list(wheels.glob('*.whl')))} wheels and the tokenizer, {size / 2**20:.1f} MiB "
           "(the device tool carries 64 MiB a call)")
@@ -125,6 +131,8 @@ def run(folder: Path, out: Path, quick: bool, budget_s: float, workers: int, ben
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_REQUIRE="cuda",
                PDSERVE_TOKENIZER_DIR=str((folder / "tokenizer").resolve()))
+    if (folder / "commit").exists():   # the checkout's commit at prepare (`bench.common.git_commit`)
+        env["PDSERVE_COMMIT"] = (folder / "commit").read_text().strip()
     wheels = sorted((folder / "wheels").glob("*.whl"))
     if wheels:
         site = Path("/tmp/pdserve-gpucheck-site")
