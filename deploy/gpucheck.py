@@ -71,11 +71,11 @@ def prepare(folder: Path) -> None:
         for p in PLATFORMS:
             cmd[-1:-1] = ["--platform", p]
         subprocess.run(cmd, check=True)
-    from bench.common import git_commit
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    (folder / "commit").write_text(git_commit() + ("+changes" if dirty else ""))
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    (folder / "commit").write_text((git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else ""))
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     print(f"{folder}: {len(list(wheels.glob('*.whl')))} wheels and the tokenizer, {size / 2**20:.1f} MiB "
           "(the device tool carries 64 MiB a call)")

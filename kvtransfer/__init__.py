@@ -64,11 +64,18 @@ array operations); shorter ones stay lists, where a Python step per write costs 
 arrays' fixed cost."""
 
 
-def to_write_ops(plan: Iterable[PlannedWrite], local: MemoryRegion, remote_key: int,
+def to_write_ops(plan: Iterable[PlannedWrite] | np.ndarray, local: MemoryRegion, remote_key: int,
                  imm: int | None) -> Sequence[WriteOp]:
     """Turn planned writes into engine ops; every op carries ``imm`` (so the count is exact).
+    ``plan``: `PlannedWrite` objects, or the same writes as an int64 array of shape ``(writes, 3)``
+    of ``(src offset, dst offset, length)`` (`kvtransfer.tp.plan_route_arrays`), taken as it is.
     A list, or for `VECTOR_MIN_WRITES` writes or more a `WriteOps` (a list of the same ops that
     also carries them as arrays)."""
+    if isinstance(plan, np.ndarray):
+        rows = plan.reshape(-1, 3)
+        if len(rows) >= VECTOR_MIN_WRITES:
+            return WriteOps(local, remote_key, imm, rows.astype(np.int64, copy=False))
+        return [WriteOp(local, lo, remote_key, ro, n, imm) for lo, ro, n in rows.tolist()]
     rows = [(w.src_offset, w.dst_offset, w.length) for w in plan]
     if len(rows) >= VECTOR_MIN_WRITES:
         return WriteOps(local, remote_key, imm, np.array(rows, dtype=np.int64))

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtransfer.errors import PlanError
 from kvtransfer.layout import KV, KVLayout
 
@@ -101,20 +103,57 @@ def plan_head_writes(src_layout: KVLayout, dst_layout: KVLayout, src_head: int, 
                      layers: list[int]) -> list[PlannedWrite]:
     """The writes moving heads ``src_head ..`` of the writer's pool into heads ``dst_head ..`` of
     the reader's, ``num_heads`` of them, for each of ``runs`` (`block_runs`) and ``layers``
-    (checked by the caller): one range per (layer, K|V, head, run), split at ``max_write_bytes``."""
+    (checked by the caller): one range per (layer, K|V, head, run), split at ``max_write_bytes``.
+    The same writes as `plan_head_arrays`, as objects."""
+    rows = plan_head_arrays(src_layout, dst_layout, src_head, dst_head, num_heads, runs, max_write_bytes, layers)
+    per_kv = len(rows) // (2 * len(layers)) if len(layers) else 0   # writes per (layer, K|V)
+    return [PlannedWrite(layers[i // (2 * per_kv)], KV((i // per_kv) % 2), src, dst, n)
+            for i, (src, dst, n) in enumerate(rows.tolist())]
+
+
+def run_pieces(runs: list[tuple[int, int, int]], head_block_bytes: int,
+               max_write_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each run of ``runs`` (`block_runs`) as one head's byte ranges, split at ``max_write_bytes``:
+    ``(src start, dst start, length)`` int64 arrays in bytes, relative to the head's first block on
+    each side; run order, then piece order."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    total = r[:, 2] * head_block_bytes
+    pieces = -(-total // max_write_bytes)
+    run = np.repeat(np.arange(len(r)), pieces)
+    first = np.cumsum(pieces) - pieces   # each run's first piece
+    start = (np.arange(len(run)) - first[run]) * max_write_bytes
+    length = np.minimum(max_write_bytes, total[run] - start)
+    return r[run, 0] * head_block_bytes + start, r[run, 1] * head_block_bytes + start, length
+
+
+def plan_head_arrays(src_layout: KVLayout, dst_layout: KVLayout, src_head: int, dst_head: int,
+                     num_heads: int, runs: list[tuple[int, int, int]], max_write_bytes: int,
+                     layers: list[int]) -> np.ndarray:
+    """`plan_head_writes` as an int64 array of shape ``(writes, 3)``: ``(src offset, dst offset,
+    length)`` rows in bytes, in the plan's order (layer, K|V, head, run, piece), with no Python
+    step per write: what a prefill worker posts each layer (`kvtransfer.to_write_ops` takes it
+    as it is). Offsets follow `KVLayout.offset`; the arguments were checked by the caller."""
+    src_piece, dst_piece, length = run_pieces(runs, src_layout.head_block_bytes, max_write_bytes)
+    layer = np.repeat(np.asarray(layers, dtype=np.int64), 2 * num_heads)
+    kv = np.tile(np.repeat(np.arange(2, dtype=np.int64), num_heads), len(layers))
+    head = np.tile(np.arange(num_heads, dtype=np.int64), 2 * len(layers))
     hb = src_layout.head_block_bytes
-    writes: list[PlannedWrite] = []
-    for layer in layers:
-        for kv in (KV.K, KV.V):
-            for h in range(num_heads):
-                for src_block, dst_block, n in runs:
-                    src_off = src_layout.offset(layer, kv, src_block, src_head + h)
-                    dst_off = dst_layout.offset(layer, kv, dst_block, dst_head + h)
-                    total = n * hb
-                    for start in range(0, total, max_write_bytes):
-                        length = min(max_write_bytes, total - start)
-                        writes.append(PlannedWrite(layer, kv, src_off + start, dst_off + start, length))
-    return writes
+
+    def base(layout: KVLayout, first_head: int) -> np.ndarray:   # KVLayout.offset of block 0
+        return ((layer * 2 + kv) * layout.num_kv_heads + first_head + head) * layout.num_blocks * hb
+
+    rows = np.empty((len(layer), len(length), 3), dtype=np.int64)
+    rows[:, :, 0] = base(src_layout, src_head)[:, None] + src_piece
+    rows[:, :, 1] = base(dst_layout, dst_head)[:, None] + dst_piece
+    rows[:, :, 2] = length
+    return rows.reshape(-1, 3)
+
+
+def count_head_writes(src_layout: KVLayout, runs: list[tuple[int, int, int]], num_heads: int,
+                      max_write_bytes: int, num_layers: int) -> int:
+    """``len(plan_head_writes(...))`` of those arguments, without planning."""
+    hb = src_layout.head_block_bytes
+    return sum(-(-(n * hb) // max_write_bytes) for _, _, n in runs) * num_heads * 2 * num_layers
 
 
 def count_writes(src_layout: KVLayout, dst_layout: KVLayout, src_block_ids: Sequence[int],
@@ -123,6 +162,5 @@ def count_writes(src_layout: KVLayout, dst_layout: KVLayout, src_block_ids: Sequ
     """``len(plan_writes(...))`` without building the list; same arguments, same errors."""
     layer_list = list(range(src_layout.num_layers) if layers is None else layers)
     _validate(src_layout, dst_layout, src_block_ids, dst_block_ids, max_write_bytes, layer_list)
-    hb = src_layout.head_block_bytes
-    per_head = sum(-(-(n * hb) // max_write_bytes) for _, _, n in block_runs(src_block_ids, dst_block_ids))
-    return per_head * src_layout.num_kv_heads * 2 * len(layer_list)
+    return count_head_writes(src_layout, block_runs(src_block_ids, dst_block_ids), src_layout.num_kv_heads,
+                             max_write_bytes, len(layer_list))

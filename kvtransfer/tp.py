@@ -10,7 +10,8 @@ replicated writers share the load), consecutive heads from one writer forming on
 
 The pool is head-major (``[L, 2, H, N, block_size, D]``, `kvtransfer.layout`), so one head's run of
 consecutive blocks is one contiguous byte range on both sides: a route moves ``layers x 2 x
-route heads x runs`` writes (`plan_route_writes`), and a request ``layers x 2 x KV heads x runs``
+route heads x runs`` writes (`plan_route_writes`, or as arrays `plan_route_arrays`; counted
+without planning by `count_route_writes`), and a request ``layers x 2 x KV heads x runs``
 whatever the two TP sizes (each reader head written once). Both sides compute the same routes and
 writes, so each decode rank knows how many immediates to count: the sum of its routes' writes.
 """
@@ -20,9 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtransfer.errors import PlanError
 from kvtransfer.layout import KVLayout
-from kvtransfer.plan import PlannedWrite, block_runs, check_transfer, plan_head_writes
+from kvtransfer.plan import (PlannedWrite, block_runs, check_transfer, count_head_writes, plan_head_arrays,
+                             plan_head_writes)
 
 
 def rank_heads(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
@@ -98,6 +102,35 @@ def plan_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRou
             pool's heads, block ids of unequal counts, outside a pool or repeated on the reader's
             side, bad layers or ``max_write_bytes``.
     """
+    runs, layer_list = _check_route(src_layout, dst_layout, route, src_block_ids, dst_block_ids, max_write_bytes, layers)
+    return plan_head_writes(src_layout, dst_layout, route.src_head, route.dst_head, route.num_heads, runs,
+                            max_write_bytes, layer_list)
+
+
+def plan_route_arrays(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRoute,
+                      src_block_ids: Sequence[int], dst_block_ids: Sequence[int], max_write_bytes: int,
+                      layers: Iterable[int] | None = None) -> np.ndarray:
+    """`plan_route_writes` as an int64 array of shape ``(writes, 3)`` of ``(src offset, dst offset,
+    length)`` in bytes, same order (`kvtransfer.plan.plan_head_arrays`): no Python step per write.
+    Same arguments, same errors."""
+    runs, layer_list = _check_route(src_layout, dst_layout, route, src_block_ids, dst_block_ids, max_write_bytes, layers)
+    return plan_head_arrays(src_layout, dst_layout, route.src_head, route.dst_head, route.num_heads, runs,
+                            max_write_bytes, layer_list)
+
+
+def count_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRoute,
+                       src_block_ids: Sequence[int], dst_block_ids: Sequence[int], max_write_bytes: int,
+                       layers: Iterable[int] | None = None) -> int:
+    """``len(plan_route_writes(...))`` without planning; same arguments, same errors."""
+    runs, layer_list = _check_route(src_layout, dst_layout, route, src_block_ids, dst_block_ids, max_write_bytes, layers)
+    return count_head_writes(src_layout, runs, route.num_heads, max_write_bytes, len(layer_list))
+
+
+def _check_route(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRoute, src_block_ids: Sequence[int],
+                 dst_block_ids: Sequence[int], max_write_bytes: int,
+                 layers: Iterable[int] | None) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The runs (`block_runs`) and layers of a route's writes, after the checks `plan_route_writes`
+    names."""
     if (src_layout.num_layers, src_layout.block_size, src_layout.head_dim, src_layout.itemsize) != (
             dst_layout.num_layers, dst_layout.block_size, dst_layout.head_dim, dst_layout.itemsize):
         raise PlanError(f"incompatible layouts: {src_layout} vs {dst_layout}")
@@ -107,5 +140,4 @@ def plan_route_writes(src_layout: KVLayout, dst_layout: KVLayout, route: HeadRou
                             f"{layout.num_kv_heads} KV heads")
     layer_list = list(range(src_layout.num_layers) if layers is None else layers)
     check_transfer(src_layout, dst_layout, src_block_ids, dst_block_ids, max_write_bytes, layer_list)
-    return plan_head_writes(src_layout, dst_layout, route.src_head, route.dst_head, route.num_heads,
-                            block_runs(src_block_ids, dst_block_ids), max_write_bytes, layer_list)
+    return block_runs(src_block_ids, dst_block_ids), layer_list

@@ -39,7 +39,7 @@ from kvtransfer import (EngineConfig, KVLayout, KVTransferError, MemoryRegion, P
                         TransferEngine, TransferError, WriteHandle, allocate_shared_buffer, create_engine,
                         to_write_ops)
 from kvtransfer.group import GroupEndpoint
-from kvtransfer.tp import HeadRoute, head_routes, plan_route_writes
+from kvtransfer.tp import HeadRoute, count_route_writes, head_routes, plan_route_arrays
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,10 @@ def post_layer(engine: TransferEngine, region: MemoryRegion, local: KVLayout, pe
     handles, nbytes = [], 0
     for route in peer.own_routes:
         peer_id, layout, key = peer.targets[route.dst_rank]
-        ops = to_write_ops(plan_route_writes(local, layout, route, src_blocks, dst_blocks, max_write_bytes, [layer]),
-                           region, key, imm)
-        if ops:
-            handles.append(engine.post_writes(peer_id, ops))
-            nbytes += sum(op.length for op in ops)
+        rows = plan_route_arrays(local, layout, route, src_blocks, dst_blocks, max_write_bytes, [layer])
+        if len(rows):   # planned as arrays: no Python step per write on the pass's thread
+            handles.append(engine.post_writes(peer_id, to_write_ops(rows, region, key, imm)))
+            nbytes += int(rows[:, 2].sum())
     return handles, nbytes
 
 
@@ -123,7 +122,7 @@ def count_job_writes(local: KVLayout, peer: DecodePeer, src_blocks: Sequence[int
                      max_write_bytes: int) -> int:
     """The writes every writer rank posts for a job (every layer, every route): the immediates the
     decode group counts. ``local``: a writer rank's pool (each holds as many heads). Raises PlanError."""
-    return sum(len(plan_route_writes(local, peer.layouts[r.dst_rank], r, src_blocks, dst_blocks, max_write_bytes))
+    return sum(count_route_writes(local, peer.layouts[r.dst_rank], r, src_blocks, dst_blocks, max_write_bytes)
                for r in peer.routes)
 
 

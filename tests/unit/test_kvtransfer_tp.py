@@ -15,7 +15,7 @@ from engine.tp import kv_heads_of
 from kvtransfer.errors import PlanError
 from kvtransfer.layout import KVLayout
 from kvtransfer.plan import plan_writes
-from kvtransfer.tp import HeadRoute, head_routes, plan_route_writes, rank_heads
+from kvtransfer.tp import HeadRoute, count_route_writes, head_routes, plan_route_arrays, plan_route_writes, rank_heads
 
 SIZES = [(4, (1, 2, 4, 8)), (3, (1, 3, 6)), (8, (1, 2, 4, 8, 16)), (1, (1, 2))]
 PAIRS = [(kv, a, b) for kv, sizes in SIZES for a in sizes for b in sizes]
@@ -79,9 +79,9 @@ def test_executed_writes_put_every_head_where_the_reader_expects_it(kv, a, b):
         src, dst = writers[route.src_rank], readers[route.dst_rank]
         sl, dl = KVLayout.from_tensor(src), KVLayout.from_tensor(dst)
         sb, db = src.numpy().view(np.uint8).reshape(-1), dst.numpy().view(np.uint8).reshape(-1)
-        plan = plan_route_writes(sl, dl, route, src_ids, dst_ids, max_write_bytes=96)
-        for w in plan:
-            db[w.dst_offset:w.dst_offset + w.length] = sb[w.src_offset:w.src_offset + w.length]
+        plan = plan_route_arrays(sl, dl, route, src_ids, dst_ids, max_write_bytes=96)   # what a worker posts
+        for src_off, dst_off, n in plan.tolist():
+            db[dst_off:dst_off + n] = sb[src_off:src_off + n]
         counts[route.dst_rank] += len(plan)
     for d in range(b):
         first, n = rank_heads(kv, d, b)
@@ -105,3 +105,62 @@ def test_a_request_takes_as_many_writes_whichever_heads_each_side_holds():
         plan_route_writes(whole, dataclasses.replace(half, head_dim=32), HeadRoute(0, 0, 0, 0, 2), ids, ids, 1 << 20)
     with pytest.raises(PlanError, match="cannot be split over 3 ranks"):
         head_routes(4, 3, 1)
+
+
+def _reference_writes(src: KVLayout, dst: KVLayout, route: HeadRoute, src_ids: list[int], dst_ids: list[int],
+                      max_write: int, layers: list[int]) -> list[tuple[int, int, int]]:
+    """The plan written out one write at a time from `KVLayout.offset` (layer, K|V, head, run, piece)."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    out = []
+    for layer in layers:
+        for kv in (0, 1):
+            for h in range(route.num_heads):
+                for s, d, n in runs:
+                    total = n * src.head_block_bytes
+                    for start in range(0, total, max_write):
+                        out.append((src.offset(layer, kv, s, route.src_head + h) + start,
+                                    dst.offset(layer, kv, d, route.dst_head + h) + start, min(max_write, total - start)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_arrays_a_worker_posts_are_the_planned_writes_and_are_counted_without_planning(seed):
+    """`plan_route_arrays` (what `worker.tp_rank.post_layer` posts) row for row equals the writes
+    computed one at a time from `KVLayout.offset`, for random routes, block ids, layers and splits;
+    `plan_route_writes` holds the same writes; `count_route_writes` is their number; and
+    `to_write_ops` makes the same ops from the arrays as from the objects, short plans and long."""
+    from kvtransfer import MemoryRegion, WriteOps, to_write_ops
+
+    rng = np.random.default_rng(seed)
+    kv = int(rng.choice([2, 3, 4, 8]))
+    src = KVLayout(4, int(rng.integers(20, 60)), 4, kv, 8, 2)
+    dst = dataclasses.replace(src, num_blocks=int(rng.integers(20, 60)))
+    n = int(rng.integers(1, 18))
+    src_ids = rng.choice(src.num_blocks, n, replace=False).tolist()
+    dst_ids = rng.choice(dst.num_blocks, n, replace=False).tolist()
+    if seed % 2:   # runs of several blocks too
+        src_ids, dst_ids = sorted(src_ids), sorted(dst_ids)
+    heads = int(rng.integers(1, kv + 1))
+    route = HeadRoute(0, 0, int(rng.integers(0, kv - heads + 1)), int(rng.integers(0, kv - heads + 1)), heads)
+    layers = rng.permutation(4)[:int(rng.integers(1, 5))].tolist()
+    max_write = int(rng.choice([24, 64, 100, src.head_block_bytes, 1 << 20]))
+    want = _reference_writes(src, dst, route, src_ids, dst_ids, max_write, layers)
+    rows = plan_route_arrays(src, dst, route, src_ids, dst_ids, max_write, layers)
+    assert rows.dtype == np.int64 and rows.shape == (len(want), 3) and [tuple(r) for r in rows.tolist()] == want
+    objects = plan_route_writes(src, dst, route, src_ids, dst_ids, max_write, layers)
+    assert [(w.src_offset, w.dst_offset, w.length) for w in objects] == want
+    assert [(w.layer, int(w.kv)) for w in objects][:1] == [(layers[0], 0)] and objects[-1].layer == layers[-1]
+    assert count_route_writes(src, dst, route, src_ids, dst_ids, max_write, layers) == len(want)
+    region = MemoryRegion(0, src.total_bytes, 5)
+    for cut in (3, len(rows)):
+        from_rows, from_objects = to_write_ops(rows[:cut], region, 9, 7), to_write_ops(objects[:cut], region, 9, 7)
+        assert list(from_rows) == list(from_objects) and type(from_rows) is type(from_objects)
+        if isinstance(from_rows, WriteOps):
+            assert all(np.array_equal(a, b) for a, b in zip(from_rows.arrays, from_objects.arrays))
+    with pytest.raises(PlanError, match="repeat"):
+        count_route_writes(src, dst, route, [0, 1], [2, 2], max_write)
