@@ -63,45 +63,70 @@ class WriteOp:
     imm: int | None = None
 
 
-class WriteOps(list):
+class WriteOps(Sequence[WriteOp]):
     """A batch of writes from one local region to one remote region, every one carrying the same
-    immediate (what `kvtransfer.to_write_ops` builds for a long plan): a list of `WriteOp`, and
-    beside it ``arrays``, the same writes as int64 arrays (local offsets, remote offsets, lengths;
-    each ``[N]``, bytes), so that the engines' range checks, device copy plans and frame
-    descriptors take a few array operations instead of one Python step per write. Changing the
-    list in place (shuffling it, say) drops ``arrays`` (None): the engines then walk the ops one by
-    one; a slice or a sum is a plain list."""
+    immediate (what `kvtransfer.to_write_ops` builds for a long plan), held as ``arrays``: int64
+    arrays of local offsets, remote offsets and lengths (each ``[N]``, bytes), so that the
+    engines' range checks, device copy plans, frame descriptors and striping take a few array
+    operations instead of one Python step per write. It is also a read-only sequence of the same
+    `WriteOp` objects, built on first use (an engine that walks the ops one by one: tcp's payloads,
+    verbs' work requests) and kept; an index gives one op, a slice a plain list. Immutable: to
+    change the batch, make a list of it (``list(ops)``) and post that."""
 
-    local: MemoryRegion
-    remote_key: int
-    imm: int | None
-    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    __slots__ = ("local", "remote_key", "imm", "arrays", "_ops")
 
     def __init__(self, local: MemoryRegion, remote_key: int, imm: int | None, writes: np.ndarray) -> None:
         """``writes``: ``[N, 3]`` int64 rows of (local offset, remote offset, length)."""
-        super().__init__(WriteOp(local, lo, remote_key, ro, n, imm) for lo, ro, n in writes.tolist())
+        writes = np.asarray(writes, dtype=np.int64).reshape(-1, 3)
         self.local, self.remote_key, self.imm = local, remote_key, imm
-        self.arrays = tuple(np.ascontiguousarray(c) for c in writes.reshape(-1, 3).T)
+        self.arrays: tuple[np.ndarray, np.ndarray, np.ndarray] = tuple(
+            np.ascontiguousarray(c) for c in writes.T)   # type: ignore[assignment]
+        self._ops: list[WriteOp] | None = None
 
+    def _list(self) -> list[WriteOp]:
+        ops = self._ops
+        if ops is None:   # two threads may both build it: the lists are equal
+            lo, ro, n = (a.tolist() for a in self.arrays)
+            local, key, imm = self.local, self.remote_key, self.imm
+            ops = self._ops = [WriteOp(local, a, key, b, c, imm) for a, b, c in zip(lo, ro, n)]
+        return ops
 
-def _dropping_arrays(name: str):
-    method = getattr(list, name)
+    def rows(self, start: int, stop: int) -> "WriteOps":
+        """Writes ``start:stop`` as a `WriteOps` (arrays sliced, no op built)."""
+        out = WriteOps.__new__(WriteOps)
+        out.local, out.remote_key, out.imm, out._ops = self.local, self.remote_key, self.imm, None
+        out.arrays = tuple(a[start:stop] for a in self.arrays)   # type: ignore[assignment]
+        return out
 
-    def mutate(self, *args, **kwargs):
-        self.arrays = None
-        return method(self, *args, **kwargs)
-    mutate.__name__ = name
-    return mutate
+    def __len__(self) -> int:
+        return len(self.arrays[2])
 
+    def __getitem__(self, index):   # an int: one op; a slice: a plain list
+        return self._list()[index]
 
-for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
-              "reverse", "sort", "clear"):
-    setattr(WriteOps, _name, _dropping_arrays(_name))
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (list, tuple, WriteOps)):
+            return NotImplemented
+        return len(self) == len(other) and self._list() == list(other)
+
+    __hash__ = None   # type: ignore[assignment]
+
+    def __add__(self, other: Sequence[WriteOp]) -> list[WriteOp]:
+        return self._list() + list(other)
+
+    def __radd__(self, other: Sequence[WriteOp]) -> list[WriteOp]:
+        return list(other) + self._list()
+
+    def __repr__(self) -> str:
+        return f"WriteOps({len(self)} writes, {int(self.arrays[2].sum())} bytes, key {self.remote_key:#x})"
 
 
 def write_arrays(ops: Sequence[WriteOp]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """``ops.arrays`` of a non-empty `WriteOps` whose list was not changed since; else None."""
-    return getattr(ops, "arrays", None) if len(ops) else None
+    """``ops.arrays`` of a non-empty `WriteOps`; else None (a list: walked op by op)."""
+    return ops.arrays if isinstance(ops, WriteOps) and len(ops) else None
 
 
 def merged_ranges(arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:

@@ -278,7 +278,7 @@ class _IpcSender:
         event = torch.cuda.Event()
         if stream is not None:
             event.record(stream)
-        self._pending.append((event, b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches))))
+        self._pending.append((event, b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches, with_ops=False))))
         while self._pending and (len(self._pending) > IN_FLIGHT or self._pending[0][0].query()):
             event, frames = self._pending[0]
             event.synchronize()   # the bytes are in the peer's pool before its immediates are sent

@@ -200,29 +200,31 @@ def pack_descs(ops: "Sequence[WriteOp]") -> bytes:
     return b"".join(out)
 
 
-def group_frames(ftype: int, batches: "Sequence[tuple[Sequence[WriteOp], int]]") -> "list[tuple[bytes, list[WriteOp]]]":
+def group_frames(ftype: int, batches: "Sequence[tuple[Sequence[WriteOp], int]]",
+                 with_ops: bool = True) -> "list[tuple[bytes, list[WriteOp]]]":
     """Frames (header + descriptors, and the ops whose descriptors they carry) sending the
     batch parts ``[(ops, seq), ...]`` (non-empty, consecutive ``seq``) as one group; see the
-    module docstring. Raises ``ValueError`` for an empty or non-consecutive group."""
-    if not batches or any(not ops for ops, _ in batches):
+    module docstring. ``with_ops`` False: each frame's op list is empty (a NOTIFY carries no
+    payload, so shm and cuda_ipc need none: a `WriteOps` then builds no op). Raises
+    ``ValueError`` for an empty or non-consecutive group."""
+    if not batches or any(not len(ops) for ops, _ in batches):
         raise ValueError("a group needs at least one part and no empty part")
     if any(b[1] != batches[0][1] + i for i, b in enumerate(batches)):
         raise ValueError("the parts of a group must have consecutive sequence numbers")
-    flat: list[WriteOp] = []
-    ends: list[int] = []   # index of each part's last op in ``flat``
+    flat: list[WriteOp] = [op for ops, _ in batches for op in ops] if with_ops else []
+    ends: list[int] = []   # index of each part's last op in the group
     for ops, _ in batches:
-        flat.extend(ops)
-        ends.append(len(flat) - 1)
+        ends.append((ends[-1] if ends else -1) + len(ops))
     raw = b"".join(pack_descs(ops) for ops, _ in batches)
-    frames, part = [], 0
-    for start in range(0, len(flat), MAX_DESCS):
-        stop = min(start + MAX_DESCS, len(flat))
+    frames, part, total = [], 0, ends[-1] + 1
+    for start in range(0, total, MAX_DESCS):
+        stop = min(start + MAX_DESCS, total)
         flags, seq = 0, 0
         if part < len(ends) and ends[part] < stop:
             flags, seq = F_ACK_REQ, batches[part][1]
             while part < len(ends) and ends[part] < stop:
                 part += 1
-        if stop == len(flat):
+        if stop == total:
             flags |= F_FLUSH
         header = HEADER.pack(MAGIC, VERSION, ftype, flags, 0, 0, 0, 0, stop - start, seq)
         frames.append((header + raw[start * DESC_SIZE:stop * DESC_SIZE], flat[start:stop]))

@@ -190,7 +190,7 @@ class ShmEngine(SoftwareEngine):
                     dst = views[remote_key]
                 ro, lo, n = op.remote_offset, op.local_offset, op.length
                 dst[ro:ro + n] = src[lo:lo + n]
-        sock.sendall(b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches)))
+        sock.sendall(b"".join(frame for frame, _ in group_frames(T_NOTIFY, batches, with_ops=False)))
 
     def disconnect(self, peer) -> None:  # type: ignore[override]
         with self._lock:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtransfer import auth
@@ -54,8 +55,15 @@ def check_remote_ranges(ops: Sequence[WriteOp], lengths: dict[int, int]) -> Remo
     return None
 
 
-def split_by_bytes(ops: Sequence[WriteOp], parts: int) -> list[list[WriteOp]]:
-    """Deal ``ops`` over ``parts`` lists, each op to the currently lightest list (stable)."""
+def split_by_bytes(ops: Sequence[WriteOp], parts: int) -> list[Sequence[WriteOp]]:
+    """Deal ``ops`` over at most ``parts`` non-empty parts of about equal bytes. A `WriteOps`
+    is cut into consecutive runs of writes at the byte quantiles (each a `WriteOps`: its arrays
+    travel on); a list, op by op to the currently lightest part (stable)."""
+    if (arrays := write_arrays(ops)) is not None:
+        ends = np.cumsum(arrays[2])
+        cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="left") + 1
+        bounds = sorted({0, len(ops), *np.minimum(cuts, len(ops)).tolist()})
+        return [ops.rows(a, b) for a, b in zip(bounds, bounds[1:])]
     buckets: list[list[WriteOp]] = [[] for _ in range(parts)]
     loads = [0] * parts
     for op in ops:
@@ -179,7 +187,8 @@ class SoftwareEngine(TransferEngine):
         parts = split_by_bytes(ops, len(live))
         handle = self._s.tracker.new(peer, len(parts), len(ops), nbytes)
         for stream, part in zip(live, parts):
-            stream.submit(handle, part, sum(op.length for op in part))
+            arrays = write_arrays(part)
+            stream.submit(handle, part, int(arrays[2].sum()) if arrays is not None else sum(op.length for op in part))
         return handle
 
     def _local_table(self):

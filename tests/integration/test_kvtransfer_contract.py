@@ -134,7 +134,9 @@ def _transfer(writer, receiver, src_ids, dst_ids, seed=0):
     for layer in range(src_layout.num_layers):   # layer by layer, as prefill does
         plan = plan_writes(src_layout, dst_layout, src_ids, dst_ids, MAX_WRITE, layers=range(layer, layer + 1))
         ops = to_write_ops(plan, local, info.regions[0].key, pack_immediate(slot, gen))
-        random.Random(seed + layer).shuffle(ops)
+        if layer % 2:   # odd layers as a shuffled list (op by op), even ones as planned (`WriteOps` arrays)
+            ops = list(ops)
+            random.Random(seed + layer).shuffle(ops)
         total += len(ops)
         handles.append(engine.post_writes(peer, ops))
     assert total == n

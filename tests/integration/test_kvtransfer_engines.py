@@ -93,6 +93,7 @@ def transfer(writer, receiver, src_ids, dst_ids, *, shuffle=False, expect_first=
         plan = plan_writes(src_layout, dst_layout, src_ids, dst_ids, MAX_WRITE, layers=range(layer, layer + 1))
         ops = to_write_ops(plan, local, info.regions[0].key, pack_immediate(slot, gen))
         if shuffle:
+            ops = list(ops)   # a `WriteOps` is immutable: a reordered batch is a list
             random.Random(seed + layer).shuffle(ops)
         total += len(ops)
         handles.append(engine.post_writes(peer, ops))

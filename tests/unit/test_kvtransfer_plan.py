@@ -100,9 +100,9 @@ def test_plan_rejects_bad_input():
 
 
 def test_a_long_plans_ops_carry_arrays_and_every_array_path_matches_the_one_op_at_a_time_path():
-    """`to_write_ops` gives a `WriteOps` from `VECTOR_MIN_WRITES` writes on; its descriptors, copy
-    plan and range checks (array operations) equal those of the same ops as a plain list (one Python
-    step per write), errors and their messages included."""
+    """`to_write_ops` gives a `WriteOps` from `VECTOR_MIN_WRITES` writes on (an immutable sequence
+    of the ops); its descriptors, copy plan and range checks (array operations) equal those of the
+    same ops as a plain list (one Python step per write), errors and their messages included."""
     from kvtransfer import VECTOR_MIN_WRITES, MemoryRegion, RemoteAccessError, WriteOps, to_write_ops
     from kvtransfer.cuda_ipc import copy_plan
     from kvtransfer.frame import pack_descs
@@ -117,9 +117,12 @@ def test_a_long_plans_ops_carry_arrays_and_every_array_path_matches_the_one_op_a
     ops = to_write_ops(plan, local, 0x22, 0xABC)
     short = to_write_ops(plan[:VECTOR_MIN_WRITES - 1], local, 0x22, 0xABC)
     assert isinstance(ops, WriteOps) and type(short) is list and ops[:len(short)] == short
-    shuffled = to_write_ops(plan, local, 0x22, 0xABC)
-    random.Random(1).shuffle(shuffled)   # changed in place: its arrays are dropped, its order is what counts
-    assert shuffled.arrays is None and pack_descs(shuffled) == pack_descs(list(shuffled)) != pack_descs(ops)
+    assert len(ops) == len(plan) and ops[3] == list(ops)[3] and ops == list(ops)
+    with pytest.raises(TypeError):
+        ops[0] = ops[1]   # immutable: a changed batch is a list
+    shuffled = list(ops)
+    random.Random(1).shuffle(shuffled)   # a list is packed op by op, in its order
+    assert pack_descs(shuffled) != pack_descs(ops)
     as_list = list(ops)
     assert pack_descs(ops) == pack_descs(as_list)
     def listed(plan: dict) -> dict:
@@ -158,3 +161,25 @@ def test_the_local_range_check_of_a_long_batch_refuses_as_the_short_one_does():
         assert errors[0] == errors[1]
     finally:
         engine.close()
+
+
+def test_a_long_batch_is_striped_into_consecutive_runs_of_about_equal_bytes_that_keep_their_arrays():
+    """`split_by_bytes` of a `WriteOps`: parts are `WriteOps` (arrays, no op built), consecutive
+    runs of the batch in order, each within one write's length of an equal share of the bytes; a
+    list is still dealt op by op to the lightest part."""
+    from kvtransfer import MemoryRegion, WriteOps, to_write_ops
+    from kvtransfer.software import split_by_bytes
+
+    rng = random.Random(5)
+    plan = plan_writes(SRC, DST, list(range(0, 80, 2)), rng.sample(range(300), 40), 5000)   # ragged lengths
+    ops = to_write_ops(plan, MemoryRegion(0, SRC.total_bytes, 0x11), 0x22, 7)
+    total, longest = sum(w.length for w in plan), max(w.length for w in plan)
+    for parts in (1, 2, 3, 8):
+        split = split_by_bytes(ops, parts)
+        assert len(split) == parts and all(isinstance(p, WriteOps) and p._ops is None for p in split)
+        assert [op for p in split for op in p] == list(ops)
+        for p in split:
+            assert abs(int(p.arrays[2].sum()) - total / parts) <= longest
+    assert split_by_bytes(ops.rows(0, 2), 8) == [ops.rows(0, 1), ops.rows(1, 2)]   # never an empty part
+    dealt = split_by_bytes(list(ops)[:4], 2)
+    assert [type(p) for p in dealt] == [list, list] and sorted(map(len, dealt)) == [2, 2]
