@@ -20,12 +20,12 @@ import socket
 from collections.abc import Sequence
 
 from kvtransfer import auth
-from kvtransfer.base import ArrivalHandler, WriteOp
+from kvtransfer.base import ArrivalHandler, WriteOp, write_arrays
 from kvtransfer.config import EngineConfig
 from kvtransfer.connection import InboundConnection, OutboundStream, Shared
 from kvtransfer.endpoint import EndpointInfo, TransportAddress, TransportKind
 from kvtransfer.errors import AuthError, RemoteAccessError, TransferError
-from kvtransfer.frame import T_WRITE, CheckedDescs, group_frames, recv_exact_many, send_parts
+from kvtransfer.frame import MAX_DESCS, T_WRITE, CheckedDescs, group_frames, recv_exact_many, send_parts
 from kvtransfer.memory import ViewCache
 from kvtransfer.software import SoftwareEngine
 
@@ -105,13 +105,22 @@ class TcpEngine(SoftwareEngine):
         if self._s.memory.has_staged:   # device pools: their sources to the mirror first
             self.stager().stage_out([op for ops, _ in batches for op in ops])
         local = ViewCache(self._s.memory)
+        payloads: list[memoryview] = []   # every write's bytes, in the group's order
+        try:
+            for ops, _ in batches:
+                if (arrays := write_arrays(ops)) is not None:   # cut from the arrays: no op built
+                    view, (offsets, _, lengths) = local.view(ops.local.key), arrays
+                    if int((offsets + lengths).max()) > len(view):
+                        raise TransferError("a local region was deregistered during a write")
+                    payloads += [view[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
+                else:
+                    payloads += [local.slice(op.local.key, op.local_offset, op.length) for op in ops]
+        except RemoteAccessError:
+            raise TransferError("a local region was deregistered during a write")
         parts: list = []
-        for frame, ops in group_frames(T_WRITE, batches):
+        for i, (frame, _) in enumerate(group_frames(T_WRITE, batches, with_ops=False)):   # MAX_DESCS per frame
             parts.append(frame)
-            try:
-                parts += [local.slice(op.local.key, op.local_offset, op.length) for op in ops]
-            except RemoteAccessError:
-                raise TransferError("a local region was deregistered during a write")
+            parts += payloads[i * MAX_DESCS:(i + 1) * MAX_DESCS]
         send_parts(sock, parts)
 
 
