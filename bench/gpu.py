@@ -18,10 +18,11 @@
   process. The two sizes split a transfer's time into a fixed part and a streaming rate
   (`fixed_and_streaming`). Then the throughput with `IPC_IN_FLIGHT` transfers posted back to back,
   as a decode worker receives several requests' KV at once, and where a round's time goes (every
-  post returned, every write ACKed, every transfer counted). That plan is contiguous on both sides
-  and becomes one copy; the copy kernel is measured alone on the same KV written into blocks in
-  reverse order (one range per block, as scattered as a decode pool's), for several launch shapes
-  (`copy_kernel_rates`).
+  post returned, every write ACKed, every transfer counted; then step by step for cuda_ipc and shm,
+  `bench.round_trace`). That plan is contiguous on both sides and becomes one copy; the same KV
+  into the reader's blocks in reverse order (one range per block, as scattered as a decode pool's)
+  is one cuda_ipc round more, and the copy kernel is measured alone on it for several launch
+  shapes (`copy_kernel_rates`).
 - Both sides of every prefill ratio are timed in turn, pass by pass (`paired_best`), transformers
   again beside each engine row; every figure is the best of its timed runs.
 
@@ -201,6 +202,7 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc",
     proc = ctx.Process(target=_ipc_receiver, args=(child, layout.total_bytes, kind), name="bench-ipc-receiver",
                        daemon=True)
     proc.start()
+    child.close()   # ours: a receiver that dies then reads as EOFError, not a hang
     try:
         info = EndpointInfo.from_bytes(parent.recv())
         src, shared = _pool(kind, layout.total_bytes)
@@ -411,6 +413,14 @@ def main(argv=None) -> dict:
                     print(f"shm (host pools), {shm['writes']} writes of {shm['bytes_per_write'] / 2**10:.0f} KiB: "
                           f"posted after {shm['posted_us']:.0f} us, acked {shm['acked_us']:.0f} us, counted "
                           f"{shm['counted_us']:.0f} us; a round trip between the processes {shm['round_trip_us']:.0f} us", flush=True)
+                if not late("the traced rounds"):   # where a round's time goes, step by step
+                    from bench.round_trace import print_trace, trace_rounds
+
+                    result["round_trace"] = traces = [trace_rounds("cuda_ipc", 512, 1 << 20, 10 if args.quick else 20),
+                                                      trace_rounds("shm", 512, 4096, 10 if args.quick else 20)]
+                    for trace in traces:
+                        print_trace(trace)
+                    save()
                 piped = result["cuda_ipc_in_flight"] = []
                 for tokens in (512,) if args.quick else IPC_TOKENS:
                     if late(f"cuda_ipc {tokens} tokens, {IPC_IN_FLIGHT} in flight"):
