@@ -453,6 +453,13 @@ def main(argv=None) -> dict:
                                  "ratio": ours[i] / ref})
                     _print_row(rows[-1])
                 save()
+            if mode == "eager" and weights == dtypes[-1] and not late("prefill kernels"):   # bench.prefill_profile
+                from bench.prefill_profile import prefill_kernels, print_kernels
+
+                result["prefill_kernels"] = kernels = prefill_kernels(loaded, hf_models[weights], max(batches), PROMPT, BS,
+                                                                      kv_cache_dtype(weights), 2 if args.quick else 3)
+                print_kernels(kernels, f"{weights} prefill, batch {max(batches)}")
+                save()
             if mode != "eager":   # graphs are built before timing, compiled ones in the untimed warm-up
                 print(f"({label}: loaded and measured in {time.monotonic() - built:.0f} s, graphs built included)",
                       flush=True)

@@ -74,6 +74,8 @@ def test_the_gpu_bench_runs_its_cpu_smoke(tmp_path):
                                                              ("decode", 2)]
     assert all(r["pdserve_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in out["rows"])
     assert (tmp_path / "gpu.json").exists() and "cuda_ipc" not in out
+    kernels = out["prefill_kernels"]   # bench.prefill_profile, after the last dtype's eager rows
+    assert all(kernels[side]["kernels"] and kernels[side]["total_us"] > 0 for side in ("ours", "theirs"))
 
 
 @pytest.mark.integration
