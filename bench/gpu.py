@@ -35,6 +35,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -96,6 +97,23 @@ def paired_best(fns, device: str, reps: int, warmup: int) -> list[float]:
     return best
 
 
+def prefill_sides(loaded, weights: str, batch: int, hf=None, steps: int = 0) -> tuple[KVPool, list, list[int], dict]:
+    """A pool with room for ``batch`` prompts of `PROMPT` tokens and ``steps`` more tokens each,
+    their block tables, the prompt's token ids, and ``{"ours": prefill pass, "theirs":
+    transformers' pass of ``batch`` such prompts}`` (``theirs`` only with ``hf``), as callables."""
+    per_seq = -(-(PROMPT + steps + 2) // BS)
+    pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=batch * per_seq + 1,
+                                             dtype=kv_cache_dtype(weights)), device=loaded.model.device)
+    ids = torch.randint(100, 40000, (PROMPT,)).tolist()
+    tables = [pool.allocator.allocate(per_seq) for _ in range(batch)]
+    prefill = ForwardBatch.build([SeqChunk(ids, 0, t) for t in tables], BS)
+    fns = {"ours": lambda: loaded.model.forward(prefill, pool)}
+    if hf is not None:
+        hf_ids = torch.randint(100, 40000, (batch, PROMPT), device=loaded.model.device)
+        fns["theirs"] = lambda: hf(hf_ids, use_cache=True, logits_to_keep=1)
+    return pool, tables, ids, fns
+
+
 @torch.inference_mode()
 def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int, hf=None,
                  graphs: bool = False) -> tuple[float, float, float | None]:
@@ -105,23 +123,14 @@ def engine_rates(loaded, weights: str, batch: int, reps: int, steps: int, hf=Non
     the timed runs as `hf_decode_rate` takes transformers'. ``graphs``: decode steps replayed from
     CUDA graphs (`engine.cuda_graphs`, recorded first)."""
     device = str(loaded.model.device)
-    per_seq = -(-(PROMPT + steps + 2) // BS)
-    pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=batch * per_seq + 1,
-                                             dtype=kv_cache_dtype(weights)), device=loaded.model.device)
+    pool, tables, ids, fns = prefill_sides(loaded, weights, batch, hf, steps)
     step = loaded.model.forward
     if graphs:
         from engine.cuda_graphs import DecodeGraphs
 
-        recorded = DecodeGraphs(loaded.model, pool, batch, per_seq * BS)
+        recorded = DecodeGraphs(loaded.model, pool, batch, len(tables[0]) * BS)
         step = lambda b, pool: recorded.run(b)  # noqa: E731
-    ids = torch.randint(100, 40000, (PROMPT,)).tolist()
-    tables = [pool.allocator.allocate(per_seq) for _ in range(batch)]
-    prefill = ForwardBatch.build([SeqChunk(ids, 0, t) for t in tables], BS)
-    fns = [lambda: loaded.model.forward(prefill, pool)]
-    if hf is not None:
-        hf_ids = torch.randint(100, 40000, (batch, PROMPT), device=device)
-        fns.append(lambda: hf(hf_ids, use_cache=True, logits_to_keep=1))
-    prefill_s = paired_best(fns, device, 2 * reps, PREFILL_WARMUP)
+    prefill_s = paired_best(list(fns.values()), device, 2 * reps, PREFILL_WARMUP)
     steps_batches = [ForwardBatch.build([SeqChunk([ids[0]], PROMPT + s, t) for t in tables], BS) for s in range(steps)]
     decode_s = paired_best([lambda: [step(b, pool) for b in steps_batches]], device, max(1, reps // 2), 1)[0]
     tok = batch * PROMPT
@@ -149,13 +158,33 @@ def hf_decode_rate(hf, batch: int, reps: int, steps: int, device: str) -> float:
     return batch * steps / min(decode() for _ in range(max(1, reps // 2)))
 
 
-def _pool(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
-    """A pool of ``nbytes`` for engine ``kind``: on the GPU for cuda_ipc, in shared memory for shm."""
+PINGS = 41
+"""Exchanges `pipe_round_trip_us` times between a bench and its receiver process."""
+
+
+def transfer_pool(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
+    """A pool of ``nbytes`` random bytes for engine ``kind`` and what registering it needs (its
+    ``shared`` handle or None): on the GPU for cuda_ipc, in shared memory for shm, host memory
+    otherwise."""
     from kvtransfer import allocate_shared_buffer
 
     if kind == "shm":
         return allocate_shared_buffer(nbytes)
-    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda"), None
+    device = "cuda" if kind == "cuda_ipc" else "cpu"
+    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device), None
+
+
+def pipe_round_trip_us(conn) -> float:
+    """Median microseconds of `PINGS` "ping" / "pong" exchanges with a receiver process over
+    ``conn`` (both ends blocked in ``recv``: the host's wake-up cost)."""
+    trips = []
+    for _ in range(PINGS):
+        t0 = time.perf_counter()
+        conn.send("ping")
+        if conn.recv() != "pong":
+            raise RuntimeError("the receiver answered a ping with something else")
+        trips.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(trips)
 
 
 def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
@@ -163,7 +192,7 @@ def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
 
     counter = CompletionCounter(2 * IPC_IN_FLIGHT)
     engine = create_engine(kind, EngineConfig(secret=SECRET), arrivals=counter)
-    pool, shared = _pool(kind, nbytes)
+    pool, shared = transfer_pool(kind, nbytes)
     engine.register_memory(pool, shared=shared)
     conn.send(engine.describe().to_bytes())
     while (cmd := conn.recv()) is not None:
@@ -180,10 +209,6 @@ def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
             counter.release(slot, gen)
         conn.send("done")
     engine.close()
-
-
-PINGS = 41
-"""Round trips between the bench and its receiver process timed after the rounds (`ipc_rate`)."""
 
 
 def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc", scattered: bool = False) -> dict:
@@ -205,7 +230,7 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc",
     child.close()   # ours: a receiver that dies then reads as EOFError, not a hang
     try:
         info = EndpointInfo.from_bytes(parent.recv())
-        src, shared = _pool(kind, layout.total_bytes)
+        src, shared = transfer_pool(kind, layout.total_bytes)
         engine = create_engine(kind, EngineConfig(secret=SECRET))
         local = engine.register_memory(src, shared=shared)
         peer = engine.connect(info)
@@ -225,12 +250,7 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc",
             assert parent.recv() == "done"
             times.append(time.perf_counter() - t0)
         engine.close()
-        trips = []
-        for _ in range(PINGS):
-            t0 = time.perf_counter()
-            parent.send("ping")
-            assert parent.recv() == "pong"
-            trips.append(time.perf_counter() - t0)
+        round_trip_us = pipe_round_trip_us(parent)
         dst = torch.empty_like(src)
         copy_s = _time(lambda: dst.copy_(src), str(src.device), reps)
         nbytes = sum(w.length for w in plan)
@@ -246,7 +266,7 @@ def ipc_rate(tokens: int, reps: int, in_flight: int = 1, kind: str = "cuda_ipc",
                 "posted_us": median_us(posted), "acked_us": median_us(acked), "counted_us": median_us(times),
                 # the host's floor under those: one message there and back between the two
                 # processes (a pipe, each end blocked in recv), while nothing else runs
-                "round_trip_us": median_us(trips)}
+                "round_trip_us": round_trip_us}
     finally:
         parent.send(None)
         proc.join(30)
@@ -456,8 +476,8 @@ def main(argv=None) -> dict:
             if mode == "eager" and weights == dtypes[-1] and not late("prefill kernels"):   # bench.prefill_profile
                 from bench.prefill_profile import prefill_kernels, print_kernels
 
-                result["prefill_kernels"] = kernels = prefill_kernels(loaded, hf_models[weights], max(batches), PROMPT, BS,
-                                                                      kv_cache_dtype(weights), 2 if args.quick else 3)
+                sides = prefill_sides(loaded, weights, max(batches), hf_models[weights])[3]
+                result["prefill_kernels"] = kernels = prefill_kernels(sides, args.device, 2 if args.quick else 3)
                 print_kernels(kernels, f"{weights} prefill, batch {max(batches)}")
                 save()
             if mode != "eager":   # graphs are built before timing, compiled ones in the untimed warm-up

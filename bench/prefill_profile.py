@@ -27,40 +27,24 @@ def _kernels(prof, passes: int, device: str) -> tuple[list[dict], float]:
 
 
 @torch.inference_mode()
-def prefill_kernels(loaded, hf, batch: int, prompt: int, block_size: int, kv_dtype: str,
-                    passes: int = 3) -> dict:
-    """Profile ``passes`` prefill passes of ``batch`` prompts of ``prompt`` tokens through the
-    engine (``loaded``: `engine.loader.load_model`'s result) and through ``hf`` (transformers'
-    model, same dtype and device; ``kv_dtype`` the pool's, `engine.config.kv_cache_dtype`), after one
-    untimed pass each. Returns ``{"ours", "theirs"}``:
-    each the `TOP` kernels by self device time per pass (``name``, ``us``, ``calls``), and
-    ``total_us`` per pass."""
+def prefill_kernels(sides: dict, device: str, passes: int = 3) -> dict:
+    """Profile ``passes`` calls of each of ``sides`` (``{"ours", "theirs"}``: one prefill pass
+    each, `bench.gpu.prefill_sides`) on ``device``, after one untimed call each. Returns, per
+    side, ``kernels`` (the `TOP` kernels by self device time per pass: ``name``, ``us``,
+    ``calls``) and ``total_us`` (every kernel's time per pass)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.attention import ForwardBatch, SeqChunk
-    from engine.config import CacheConfig
-    from engine.kv_cache import KVPool
-
-    device = str(loaded.model.device)
-    per_seq = -(-prompt // block_size) + 1
-    pool = KVPool(loaded.config, CacheConfig(block_size=block_size, num_blocks=batch * per_seq + 1, dtype=kv_dtype),
-                  device=loaded.model.device)
-    ids = torch.randint(100, 40000, (prompt,)).tolist()
-    tables = [pool.allocator.allocate(per_seq) for _ in range(batch)]
-    prefill = ForwardBatch.build([SeqChunk(ids, 0, t) for t in tables], block_size)
-    hf_ids = torch.randint(100, 40000, (batch, prompt), device=device)
-    sides = {"ours": lambda: loaded.model.forward(prefill, pool),
-             "theirs": lambda: hf(hf_ids, use_cache=True, logits_to_keep=1)}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     out = {}
     for name, fn in sides.items():
         fn()
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
         with profile(activities=activities) as prof:
             for _ in range(passes):
                 fn()
-            if device.startswith("cuda"):
+            if cuda:
                 torch.cuda.synchronize()
         top, total = _kernels(prof, passes, device)
         out[name] = {"kernels": top, "total_us": total}

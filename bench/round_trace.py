@@ -14,8 +14,11 @@ monotonic clock that both processes share (`time.perf_counter_ns`):
   ``flush`` / ``flushed`` (cuda_ipc: waiting for the copies' events and sending the NOTIFYs),
   ``ack`` (the ACK thread completing the batch), ``waited`` (`wait` returned);
 - receiver: ``frame`` (a frame's descriptors read, before their checks), ``checked``, ``placed``,
-  ``delivered`` (immediates counted), ``accounted`` (ACK sent), ``counted`` (the bench's wait on
-  the counter returned).
+  ``delivered`` (immediates counted), ``acking`` (a frame accounted, its ACKs about to go), ``counted``
+  (the bench's wait on the counter returned).
+
+The writer asks for the receiver's stamps once its ``wait`` returned, so every stamp of the round
+is in (each precedes the ACK that ended the wait, or the count the receiver waited for first).
 
 Each stamp's median offset from ``post`` over the rounds (the first of its name in a round; a
 batch over 1 MiB is striped over the peer's streams, whose steps then interleave) is printed, in
@@ -28,12 +31,11 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import statistics
-import threading
 import time
-
-import torch
+from collections.abc import Callable
 
 from bench.common import arg_parser, write_json
+from bench.gpu import pipe_round_trip_us, transfer_pool
 
 SECRET = b"bench-trace-secret-0123456789abcd"
 _STAMPS: list[tuple[int, str]] = []
@@ -43,10 +45,8 @@ def _stamp(name: str) -> None:
     _STAMPS.append((time.perf_counter_ns(), name))   # list.append is atomic under the GIL
 
 
-def _wrap(owner, attr: str, before: str | None, after: str | None) -> None:
-    """Replace ``owner.attr`` by a function stamping ``before`` on entry and ``after`` on exit."""
-    fn = getattr(owner, attr)
-
+def _traced(fn, before: str | None, after: str | None):
+    """``fn``, stamping ``before`` on entry and ``after`` on exit (either may be None)."""
     @functools.wraps(fn)
     def traced(*args, **kwargs):
         if before:
@@ -56,60 +56,49 @@ def _wrap(owner, attr: str, before: str | None, after: str | None) -> None:
         finally:
             if after:
                 _stamp(after)
-    setattr(owner, attr, traced)
+    return traced
 
 
-def _install(role: str) -> None:
-    """Wrap the engines' methods for ``role`` ("writer" or "receiver") in this process."""
+def _install(role: str) -> Callable[[], None]:
+    """Wrap the engines' methods for ``role`` ("writer" or "receiver") in this process; returns
+    the function that puts the originals back."""
     from kvtransfer import connection, cuda_ipc, shm, software, tcp, tracker
 
     if role == "writer":
-        _wrap(software.SoftwareEngine, "post_writes", "post", "posted")
-        _wrap(connection.OutboundStream, "_take_group", "tx woke", None)
-        _wrap(tracker.CompletionTracker, "parts_done", "ack", None)
         init = connection.OutboundStream.__init__
 
-        @functools.wraps(init)
         def traced_init(self, sock, name, shared, peer, threads, send_batches, flush=None):
-            def send(*a):
-                _stamp("send")
-                try:
-                    return send_batches(*a)
-                finally:
-                    _stamp("sent")
+            init(self, sock, name, shared, peer, threads, _traced(send_batches, "send", "sent"),
+                 None if flush is None else _traced(flush, "flush", "flushed"))
+        wraps = [(software.SoftwareEngine, "post_writes", "post", "posted"),
+                 (connection.OutboundStream, "_take_group", "tx woke", None),
+                 (tracker.CompletionTracker, "parts_done", "ack", None)]
+        replaced = [(connection.OutboundStream, "__init__", traced_init)]
+    else:
+        wraps = [(connection, "check_descs", "frame", "checked"),
+                 (connection.InboundConnection, "_deliver", None, "delivered"),
+                 (connection.InboundConnection, "_account", "acking", None),
+                 *((inbound, "_place", None, "placed") for inbound in (shm._ShmInbound, tcp._TcpInbound,
+                                                                       cuda_ipc._IpcInbound))]
+        replaced = []
+    replaced += [(owner, attr, _traced(getattr(owner, attr), before, after)) for owner, attr, before, after in wraps]
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in replaced]
+    for owner, attr, fn in replaced:
+        setattr(owner, attr, fn)
 
-            def flushed(*a):
-                _stamp("flush")
-                try:
-                    return flush(*a)
-                finally:
-                    _stamp("flushed")
-            init(self, sock, name, shared, peer, threads, send, flushed if flush is not None else None)
-        connection.OutboundStream.__init__ = traced_init
-        return
-    _wrap(connection, "check_descs", "frame", "checked")
-    _wrap(connection.InboundConnection, "_deliver", None, "delivered")
-    _wrap(connection.InboundConnection, "_account", None, "accounted")
-    for inbound in (shm._ShmInbound, tcp._TcpInbound, cuda_ipc._IpcInbound):
-        _wrap(inbound, "_place", None, "placed")
-
-
-def _pool(kind: str, nbytes: int):
-    from kvtransfer import allocate_shared_buffer
-
-    if kind == "shm":
-        return allocate_shared_buffer(nbytes)
-    device = "cuda" if kind == "cuda_ipc" else "cpu"
-    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device), None
+    def restore() -> None:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+    return restore
 
 
 def _receiver(conn, nbytes: int, kind: str) -> None:
     from kvtransfer import CompletionCounter, EngineConfig, create_engine
 
-    _install("receiver")
+    _install("receiver")   # this process ends with the bench: nothing to put back
     counter = CompletionCounter(4)
     engine = create_engine(kind, EngineConfig(secret=SECRET), arrivals=counter)
-    pool, shared = _pool(kind, nbytes)
+    pool, shared = transfer_pool(kind, nbytes)
     engine.register_memory(pool, shared=shared)
     conn.send(engine.describe().to_bytes())
     while (cmd := conn.recv()) is not None:
@@ -123,6 +112,8 @@ def _receiver(conn, nbytes: int, kind: str) -> None:
         counter.wait(slot, gen, 120.0)
         _stamp("counted")
         counter.release(slot, gen)
+        if conn.recv() != "stamps":
+            raise RuntimeError("the writer asked for something else than the round's stamps")
         conn.send(list(_STAMPS))
     engine.close()
 
@@ -144,10 +135,10 @@ def trace_rounds(kind: str = "shm", writes: int = 512, write_bytes: int = 4096, 
     proc = ctx.Process(target=_receiver, args=(child, nbytes, kind), name="bench-trace-receiver", daemon=True)
     proc.start()
     child.close()   # ours: a receiver that dies then reads as EOFError, not a hang
-    _install("writer")
+    restore = _install("writer")
     try:
         info = EndpointInfo.from_bytes(parent.recv())
-        src, shared = _pool(kind, nbytes)
+        src, shared = transfer_pool(kind, nbytes)
         config = EngineConfig(secret=SECRET) if streams is None else EngineConfig(secret=SECRET, streams_per_peer=streams)
         engine = create_engine(kind, config)
         local: MemoryRegion = engine.register_memory(src, shared=shared)
@@ -164,23 +155,20 @@ def trace_rounds(kind: str = "shm", writes: int = 512, write_bytes: int = 4096, 
             handle = engine.post_writes(peer, ops)
             engine.wait(handle, 120.0)
             _stamp("waited")
+            parent.send("stamps")
             stamps = sorted(_STAMPS + parent.recv())
             if r == 0:
                 continue   # warm-up
             t0 = next(t for t, name in stamps if name == "post")
             seen: set[str] = set()
-            for t, name in stamps:   # before t0: the receiver's last round, after its count
-                if t >= t0 and name not in seen:
+            for t, name in stamps:
+                if name not in seen:
                     seen.add(name)
                     per_step.setdefault(name, []).append((t - t0) / 1e3)
         engine.close()
-        trips = []
-        for _ in range(41):
-            t = time.perf_counter()
-            parent.send("ping")
-            parent.recv()
-            trips.append((time.perf_counter() - t) * 1e6)
+        round_trip_us = pipe_round_trip_us(parent)
     finally:
+        restore()   # this process's engines untraced again
         parent.send(None)
         proc.join(30)
         if proc.is_alive():
@@ -188,7 +176,7 @@ def trace_rounds(kind: str = "shm", writes: int = 512, write_bytes: int = 4096, 
     steps = sorted(({"step": k, "us": statistics.median(v)} for k, v in per_step.items()), key=lambda s: s["us"])
     return {"kind": kind, "writes": writes, "write_bytes": write_bytes, "rounds": rounds,
             "streams": config.streams_per_peer,
-            "round_trip_us": statistics.median(trips), "steps": steps}
+            "round_trip_us": round_trip_us, "steps": steps}
 
 
 def print_trace(t: dict) -> None:
