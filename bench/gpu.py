@@ -35,7 +35,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.common import arg_parser, median_time, write_json
+from bench.round_trace import pipe_round_trip_us, print_trace, trace_rounds, transfer_pool
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig, kv_cache_dtype
 from engine.kv_cache import KVPool
@@ -156,35 +156,6 @@ def hf_decode_rate(hf, batch: int, reps: int, steps: int, device: str) -> float:
 
     decode()
     return batch * steps / min(decode() for _ in range(max(1, reps // 2)))
-
-
-PINGS = 41
-"""Exchanges `pipe_round_trip_us` times between a bench and its receiver process."""
-
-
-def transfer_pool(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
-    """A pool of ``nbytes`` random bytes for engine ``kind`` and what registering it needs (its
-    ``shared`` handle or None): on the GPU for cuda_ipc, in shared memory for shm, host memory
-    otherwise."""
-    from kvtransfer import allocate_shared_buffer
-
-    if kind == "shm":
-        return allocate_shared_buffer(nbytes)
-    device = "cuda" if kind == "cuda_ipc" else "cpu"
-    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device), None
-
-
-def pipe_round_trip_us(conn) -> float:
-    """Median microseconds of `PINGS` "ping" / "pong" exchanges with a receiver process over
-    ``conn`` (both ends blocked in ``recv``: the host's wake-up cost)."""
-    trips = []
-    for _ in range(PINGS):
-        t0 = time.perf_counter()
-        conn.send("ping")
-        if conn.recv() != "pong":
-            raise RuntimeError("the receiver answered a ping with something else")
-        trips.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(trips)
 
 
 def _ipc_receiver(conn, nbytes: int, kind: str = "cuda_ipc") -> None:
@@ -434,8 +405,6 @@ def main(argv=None) -> dict:
                           f"posted after {shm['posted_us']:.0f} us, acked {shm['acked_us']:.0f} us, counted "
                           f"{shm['counted_us']:.0f} us; a round trip between the processes {shm['round_trip_us']:.0f} us", flush=True)
                 if not late("the traced rounds"):   # where a round's time goes, step by step
-                    from bench.round_trace import print_trace, trace_rounds
-
                     result["round_trace"] = traces = [trace_rounds("cuda_ipc", 512, 1 << 20, 10 if args.quick else 20),
                                                       trace_rounds("shm", 512, 4096, 10 if args.quick else 20)]
                     for trace in traces:

@@ -34,10 +34,40 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
 from bench.common import arg_parser, write_json
-from bench.gpu import pipe_round_trip_us, transfer_pool
 
 SECRET = b"bench-trace-secret-0123456789abcd"
+
+PINGS = 41
+"""Exchanges `pipe_round_trip_us` times between a bench and its receiver process (`bench.gpu` and this one)."""
+
+
+def transfer_pool(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
+    """A pool of ``nbytes`` random bytes for engine ``kind`` and what registering it needs (its
+    ``shared`` handle or None): on the GPU for cuda_ipc, in shared memory for shm, host memory
+    otherwise."""
+    from kvtransfer import allocate_shared_buffer
+
+    if kind == "shm":
+        return allocate_shared_buffer(nbytes)
+    device = "cuda" if kind == "cuda_ipc" else "cpu"
+    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device), None
+
+
+def pipe_round_trip_us(conn) -> float:
+    """Median microseconds of `PINGS` "ping" / "pong" exchanges with a receiver process over
+    ``conn`` (both ends blocked in ``recv``: the host's wake-up cost)."""
+    trips = []
+    for _ in range(PINGS):
+        t0 = time.perf_counter()
+        conn.send("ping")
+        if conn.recv() != "pong":
+            raise RuntimeError("the receiver answered a ping with something else")
+        trips.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(trips)
+
 _STAMPS: list[tuple[int, str]] = []
 
 
