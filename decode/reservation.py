@@ -71,6 +71,7 @@ class Reservation:
     params: SamplingParams | None = None
     num_held_blocks: int = 0   # blocks[:num_held_blocks] came from the prefix cache: not written
     reserved_prompt: list[int] | None = None   # the prompt given at Reserve (Decode must repeat it)
+    writers: frozenset[str] = frozenset()   # endpoint ids of the ranks named to write its KV (Reserve)
 
     def __post_init__(self) -> None:
         if (self.transfer is None) != (self.state == ResState.DECODING):

@@ -70,9 +70,10 @@ class DecodeService(pb_grpc.DecodeServicer):
     @unary
     async def Reserve(self, request, context):
         rid = request.request_id
+        writers = self._peers.get(request.writer_worker_id, ())   # unknown or empty: none named
         done = asyncio.get_running_loop().run_in_executor(
             None, self.worker.reserve, rid, request.num_prompt_tokens, request.max_tokens,
-            list(request.prompt_token_ids))
+            list(request.prompt_token_ids), writers)
         try:
             r = await asyncio.shield(done)
         except asyncio.CancelledError:   # the caller is gone: nobody will learn of this reservation

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from decode.arrivals import DecodeArrivals
@@ -135,8 +136,12 @@ class DecodeWorker:
 
     # -- RPC-facing operations ----------------------------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                prompt_token_ids: list[int] | None = None) -> Reservation:
+                prompt_token_ids: list[int] | None = None, writers: Iterable[str] = ()) -> Reservation:
         """Allocate blocks for the prompt and a transfer slot for ``transfer_timeout_s``.
+
+        ``writers``: the endpoint ids of the ranks that will write the KV, when the caller knows
+        them. A transfer that fails before every write is in frees its blocks once all of them,
+        and all that wrote, have lost their connection (none written yet included).
 
         With prefix caching and ``prompt_token_ids`` (``num_prompt_tokens`` of them), the blocks
         holding its longest cached prefix come first (``num_held_blocks`` of them, a reference each);
@@ -180,7 +185,8 @@ class DecodeWorker:
                 raise CapacityError(str(exc)) from exc
             r = Reservation(request_id, blocks, TransferSlot(slot, generation), num_prompt_tokens,
                             time.monotonic() + lease, num_held_blocks=held,
-                            reserved_prompt=list(prompt_token_ids) if prompt_token_ids else None)
+                            reserved_prompt=list(prompt_token_ids) if prompt_token_ids else None,
+                            writers=frozenset(writers))
             self.metrics["blocks_held_at_reserve"] += held
             self._reservations[request_id] = r
             return r
@@ -333,13 +339,16 @@ class DecodeWorker:
         self._waiting_kv.pop(r.request_id, None)
         touched = set(self.counter.writers(t.slot, t.generation))
         # A writer that touched the blocks stands for its whole tensor-parallel group: a rank of it
-        # that has not written yet may still (`add_writer_group`).
-        writers = set().union(*(self._groups.get(w, {w}) for w in touched))
+        # that has not written yet may still (`add_writer_group`). So do the ranks named at
+        # Reserve, which may not have written at all.
+        writers = set(r.writers).union(*(self._groups.get(w, {w}) for w in touched))
         grouped = len(writers) > len(touched)
-        # Every such writer may already have lost its connection (a killed prefill worker is seen
-        # by the data plane before the router aborts): nothing can land.
-        all_lost = bool(writers) and writers <= self.arrivals.lost
-        stopped = (writer_done or r.writer_stopped or all_lost
+        # A writer whose connection is already gone cannot land anything, and its loss was told
+        # before this quarantine existed (`_writer_lost` will not come again): it is no longer
+        # waited for. Every writer gone (a killed prefill worker is seen by the data plane before
+        # the router aborts): nothing can land.
+        alive = writers - self.arrivals.lost
+        stopped = (writer_done or r.writer_stopped or (bool(writers) and not alive)
                    or (isinstance(error, PeerLostError) and not grouped))
         self.counter.release(t.slot, t.generation, 0.0 if stopped else self.res.config.quarantine_s)
         self.metrics["transfers_failed"] += 1
@@ -348,7 +357,7 @@ class DecodeWorker:
         if stopped:
             self.res.pool.allocator.free(written)
         elif written:
-            self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, written, writers))
+            self._quarantine.append((time.monotonic() + self.res.config.quarantine_s, written, alive))
             self.metrics["blocks_quarantined"] += len(written)
         if r.sink is not None:
             r.sink.put(error)

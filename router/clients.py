@@ -111,12 +111,13 @@ class WorkerClient:
 
     # -- decode --------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      prompt: Sequence[int] = ()) -> DecodeLease:
-        """``prompt``: given to a decode worker with a prefix cache (it holds the cached blocks).
+                      prompt: Sequence[int] = (), writer: str = "") -> DecodeLease:
+        """``prompt``: given to a decode worker with a prefix cache (it holds the cached blocks);
+        ``writer``: the prefill worker id that will write the KV (ReserveRequest.writer_worker_id).
         Raises `WorkerFailed` on a reply whose ``num_held_blocks`` exceeds its blocks."""
         resp = await self._unary("Reserve", self._decode.Reserve, pb.ReserveRequest(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
-            prompt_token_ids=prompt))
+            prompt_token_ids=prompt, writer_worker_id=writer))
         if resp.num_held_blocks > len(resp.block_ids):
             raise WorkerFailed(self.worker_id, "Reserve", "BAD_REPLY",
                                f"{resp.num_held_blocks} held blocks of {len(resp.block_ids)}")

@@ -309,10 +309,12 @@ class Orchestrator:
         hashes = self._prompt_hashes(attempt, prompt, bs)
         for d in avoid_last(self.policy.order_decode([d for d in decodes if d.peers & room], self.inflight,
                                                 need, hashes), avoid):
+            linked = [p for p in prefills if d.worker_id in p.peers]
+            prefill = avoid_last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
             attempt.decode = d   # from here a release aborts whatever Reserve left behind
-            try:
+            try:   # the writer is named: the decode worker frees the blocks once it is gone
                 attempt.lease = await self._client(d).reserve(attempt.request_id, num_tokens, max_tokens,
-                                                              prompt if d.prefix_caching else ())
+                                                              prompt if d.prefix_caching else (), prefill.worker_id)
             except WorkerFull:
                 attempt.decode = None
                 continue
@@ -321,8 +323,7 @@ class Orchestrator:
                 self._spawn(self._abort_decode(d, attempt.request_id, writer_stopped=True))
                 attempt.decode = None
                 continue
-            linked = [p for p in prefills if d.worker_id in p.peers]
-            attempt.prefill = avoid_last(self.policy.order_prefill(linked, self.inflight, need, hashes), avoid)[0]
+            attempt.prefill = prefill
             attempt.prefill_tokens = num_tokens
             self.inflight.add_reservation(d, len(attempt.lease.block_ids) - attempt.lease.num_held_blocks)
             if attempt.hashes:   # they are about to be cached there (router.kvindex)

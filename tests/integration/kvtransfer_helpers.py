@@ -128,16 +128,22 @@ class Receiver:
 
 def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple,
                  overrides: dict | None = None, device: str = "cpu") -> None:
-    """A writer that connects, then posts the same transfer in a loop until killed."""
+    """A writer that connects, then posts the same transfer in a loop until killed; with
+    ``plan_args`` None it stays connected and writes nothing (a rank that has not written yet)."""
     from kvtransfer import (EndpointInfo, KVLayout, create_engine, pack_immediate, plan_writes,
                             to_write_ops)
 
-    src_ids, dst_ids, dst_blocks, slot, gen = plan_args
     pool = torch.randn(pool_shape(num_blocks), device=device)
     engine = create_engine(engine_name, engine_config(**(overrides or {})))
     local = engine.register_memory(pool)
     info = EndpointInfo.from_bytes(blob)
     peer = engine.connect(info)
+    if plan_args is None:
+        conn.send(engine.describe().endpoint_id)
+        conn.send("started")
+        while True:
+            time.sleep(1.0)
+    src_ids, dst_ids, dst_blocks, slot, gen = plan_args
     layout = KVLayout.from_tensor(pool)
     dst_layout = KVLayout(layout.num_layers, dst_blocks, layout.block_size, layout.num_kv_heads,
                           layout.head_dim, layout.itemsize)
@@ -154,7 +160,7 @@ def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan
             engine.wait(handle, 30)
 
 
-def spawn_writer(engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple,
+def spawn_writer(engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple | None,
                  overrides: dict | None = None, start_method: str = "spawn",
                  device: str = "cpu") -> tuple[Any, Any, str]:
     """Start a looping writer; returns (process, pipe, its endpoint id)."""

@@ -199,3 +199,69 @@ def test_a_lost_rank_frees_no_block_while_a_rank_of_its_group_lives(smollm):
         mate.close()
         decode.close()
         res.close()
+
+
+def test_a_failed_transfers_blocks_return_once_every_writer_that_could_write_is_gone(smollm):
+    """The blocks of a transfer failed before its KV was in return as soon as every writer that
+    could still write into them has lost its connection, whatever the order of the losses and the
+    failure (`DecodeWorker._fail`, `_writer_lost`); the quarantine is far longer than the test:
+    - the writer named at Reserve (the router names the prefill worker) wrote nothing yet: the
+      blocks stay while it lives, and return when it is killed;
+    - a TP-2 group whose silent rank was killed before the failure, and whose writing rank after:
+      the blocks stay while the writing rank lives, and return when it is killed (the earlier
+      loss is not waited for a second time)."""
+    from kvtransfer_helpers import engine_config, spawn_writer
+
+    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
+    res = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=64, quarantine_s=600.0,
+                                       prefill_timeout_s=300.0, secret=engine_config().secret), arrivals, smollm)
+    decode = DecodeWorker(res, arrivals)
+    blob, full, procs = res.endpoint().to_bytes(), res.pool.num_blocks, []
+
+    def spawn(plan_args=None) -> str:
+        proc, pipe, endpoint_id = spawn_writer("tcp", blob, 64, plan_args)
+        procs.append(proc)
+        assert pipe.poll(60) and pipe.recv() == "started"
+        return endpoint_id
+
+    def kill(i: int, endpoint_id: str) -> None:
+        procs[i].kill()
+        procs[i].join(30)
+        deadline = time.monotonic() + 10
+        while endpoint_id not in arrivals.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert endpoint_id in arrivals.lost
+
+    def num_free_after(seconds: float) -> int:
+        deadline = time.monotonic() + seconds
+        while res.pool.allocator.num_free < full and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return res.pool.allocator.num_free
+
+    try:
+        named = spawn()
+        r = decode.reserve("named", 100, 4, writers=[named])
+        assert decode.abort("named")   # writer not known to have stopped
+        assert num_free_after(1.0) == full - len(r.blocks)   # it lives: quarantined
+        kill(0, named)
+        assert num_free_after(10.0) == full
+
+        mate = spawn()
+        r = decode.reserve("group", 100, 4)
+        t, ids = r.require_transfer(), list(r.blocks)
+        writer = spawn((ids, ids, 64, t.slot, t.generation))
+        decode.add_writer_group([writer, mate])
+        deadline = time.monotonic() + 10
+        while writer not in decode.counter.writers(t.slot, t.generation) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kill(1, mate)
+        assert decode.abort("group")
+        assert num_free_after(1.0) == full - len(ids)   # the writing rank lives: quarantined
+        kill(2, writer)
+        assert num_free_after(10.0) == full
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(30)
+        decode.close()
+        res.close()

@@ -5,7 +5,8 @@ over real gRPC (tcp data plane), the test playing the router:
 - Prefill and Decode validate before touching state (INVALID_ARGUMENT), and a bad request
   never fails its batch-mates;
 - the block quarantine: blocks of a request aborted without ``writer_stopped`` come back when the
-  writer's connection drops, or after ``quarantine_s``.
+  writer's connection drops (the one that wrote, or the one named at Reserve that wrote nothing
+  yet), or after ``quarantine_s``.
 """
 
 from __future__ import annotations
@@ -196,6 +197,10 @@ def test_quarantined_blocks_return_when_the_writer_is_lost(workers, smollm):
     prefill.Prefill(pb.PrefillRequest(request_id="q2", token_ids=prompt, sampling=sp, decode_worker_id="d",
                                       block_ids=r.block_ids, slot=r.slot, generation=r.generation))
     assert decode.Abort(pb.AbortRequest(request_id="q2")).found    # writer_stopped not claimed
-    assert free_blocks(decode) == NUM_BLOCKS - len(r.block_ids)
+    # named as the writer at Reserve, it has written nothing into these: it still may
+    named = decode.Reserve(pb.ReserveRequest(request_id="q3", num_prompt_tokens=100, max_tokens=4,
+                                             writer_worker_id="p-doomed"))
+    assert decode.Abort(pb.AbortRequest(request_id="q3")).found
+    assert free_blocks(decode) == NUM_BLOCKS - len(r.block_ids) - len(named.block_ids)
     workers["procs"]["p-doomed"].kill()                             # its tcp connections drop
     assert wait_free(decode, NUM_BLOCKS, 5) < QUARANTINE_S - 1     # long before the quarantine ends
