@@ -4,7 +4,7 @@
 
 The prefill loop counts a job's writes once (the immediates the decode worker will count:
 `worker.tp_rank.count_job_writes`) and, as each layer of the pass finishes, plans that layer's
-writes and turns them into engine ops (`worker.tp_rank.post_layer`), on the thread that runs the
+writes and turns them into engine ops (`worker.tp_rank.post_layers`), on the thread that runs the
 model. For SmolLM2-135M's pool (30 layers, 3 KV heads of 64, blocks of 16, bfloat16) and a
 Llama-3-8B shape (32 layers, 8 KV heads of 128) at TP 1, with the request's blocks consecutive on
 both sides (a fresh pool) or scattered (a pool after churn: every block its own run, one write per

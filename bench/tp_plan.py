@@ -24,7 +24,7 @@ run). Columns:
 With ``--engine``, each (a, b) is also run: every writer rank and every reader rank is an engine of
 its own in this process (its own registered pool, as each rank of a TP worker has:
 `worker.tp_rank`), the writer ranks post every layer's writes of their routes at once
-(`worker.tp_rank.post_layer`) and the clock stops once every write completed and every reader
+(`worker.tp_rank.post_layers`) and the clock stops once every write completed and every reader
 rank received its immediates. ``ms`` is the median of ``--repeats`` runs; ``copy ms`` the
 reference in the same run, a ``torch`` copy of the same bytes in memory (the ceiling for one
 host). All ranks share this process's cores, so the figures compare plans on one machine rather
@@ -43,7 +43,7 @@ from kvtransfer import EngineConfig, ImmediateQueue, allocate_shared_buffer, cre
 from kvtransfer.group import GroupEndpoint
 from kvtransfer.layout import POOL_LAYOUT, KVLayout
 from kvtransfer.tp import head_routes, plan_route_writes, rank_heads
-from worker.tp_rank import connect_group, post_layer
+from worker.tp_rank import connect_group, post_layers
 
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "Llama-3-8B shape": (32, 8, 128)}   # layers, KV heads, head dim
 SIZES = {3: (1, 3), 8: (1, 2, 4, 8, 16)}
@@ -102,7 +102,7 @@ def time_pair(engine: str, layers: int, kv: int, dim: int, a: int, b: int, token
             handles = []
             for tx, region, layout, peer, _ in writers:
                 for layer in range(layers):
-                    posted, n = post_layer(tx, region, layout, peer, ids, ids, imm, max_write_bytes, layer)
+                    posted, n = post_layers(tx, region, layout, peer, ids, ids, imm, max_write_bytes, (layer,))
                     handles += [(tx, h) for h in posted]
                     nbytes += n if rep == 0 else 0
             for tx, h in handles:

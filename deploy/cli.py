@@ -80,7 +80,7 @@ def launcher_config(args: argparse.Namespace):
         cpu_affinity=default_affinity(args) if args.cpu_affinity is None else args.cpu_affinity, lend_idle_cpus=args.lend_idle_cpus, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",))
-        + ("--attention-backend", attention_backend(args)),
+        + ("--attention-backend", attention_backend(args), "--kv-send", args.kv_send),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
 
 
@@ -256,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(K/V gathered per group and attended by SDPA), or auto (compiled where inductor "
                         "can build it, else grouped with a warning); default: auto at tensor parallel size "
                         "1, grouped with TP")
+    u.add_argument("--kv-send", default="auto", choices=["auto", "layer", "pass"],
+                   help="when prefill workers post a prompt's KV writes: layer (each layer's as it "
+                        "finishes, overlapping the rest of the pass), pass (all once the pass ends), or "
+                        "auto (pass on the CPU, where the pass keeps every CPU busy; layer on a GPU; "
+                        "measured: docs/PERFORMANCE.md, 'When the KV is sent')")
     u.add_argument("--policy", default=None, choices=["load", "kv", "round_robin"],
                    help="the router's placement policy (default: kv with prefix caching, load with --no-prefix-caching)")
     u.add_argument("--ask", default=None, metavar="QUESTION",

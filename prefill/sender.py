@@ -1,9 +1,10 @@
 """The prefill worker's KV sender: its decode peers, each layer's writes, and their completion.
 
-Lifecycle of a job's writes: the ``prefill-loop`` thread calls `KVSender.post_layer` as each layer
-of the pass holding a prompt's last chunk finishes (the writes of that layer's K and V for every
-block the decode worker does not hold, planned by `kvtransfer.plan_writes`, each carrying the
-immediate (slot, generation)); then `KVSender.finish` hands the job to the ``prefill-sender``
+Lifecycle of a job's writes: the ``prefill-loop`` thread calls `KVSender.post_layers` for the pass
+holding a prompt's last chunk (the writes of K and V for every block the decode worker does not
+hold, planned by `kvtransfer.plan_writes`, each carrying the immediate (slot, generation)): as each
+layer finishes, or for every layer once the pass ends (``per_layer``, from
+`worker.config.WorkerConfig.kv_send`); then `KVSender.finish` hands the job to the ``prefill-sender``
 thread, which waits for every posted write to complete (or fail) and calls the worker's
 ``retire(job)``: only then may the job's source blocks be reused. A job that posted nothing
 (queued, aborted, failed) goes through the same thread, so retirement always happens off the
@@ -14,7 +15,7 @@ for it alone.
 
 Tensor parallel (`worker.tp_rank`): every rank writes its own KV heads from its own pool. Rank 0
 posts its routes' writes here; the pass carries each finishing job's `JobWrites` to the other ranks
-(`rank_work`), which post theirs at the same layers and report each job's completion; the sender
+(`rank_work`), which post theirs at the same points and report each job's completion; the sender
 thread retires a job once rank 0's writes and every other rank's report are in (or the group is
 lost: then no rank writes any more).
 """
@@ -25,7 +26,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,7 +36,8 @@ from prefill.job import PrefillJob
 from worker.errors import PrefillTimeout
 from worker.liveness import LoopWatch
 from worker.runtime import WorkerResources
-from worker.tp_rank import DecodePeer, JobWrites, connect_group, count_job_writes, disconnect_group, post_layer
+from worker.tp_rank import (DecodePeer, JobWrites, PassWrites, connect_group, count_job_writes, disconnect_group,
+                            post_layers)
 
 TRANSFER_GRACE_S = 10.0   # how long past its lease the sender waits for a job's posted writes
 
@@ -50,6 +52,7 @@ class KVSender:
 
     def __init__(self, res: WorkerResources, retire: Callable[[PrefillJob], None]):
         self.res = res
+        self.per_layer = res.config.kv_send_per_layer
         self.peers: dict[str, DecodePeer] = {}
         self._retire = retire
         self._keys = itertools.count(1)
@@ -88,9 +91,9 @@ class KVSender:
                 self.res.loaded.model.call("kv_disconnect", decode_worker_id)
 
     # -- writes -------------------------------------------------------------------------------
-    def post_layer(self, layer: int, jobs: list[PrefillJob]) -> None:
-        """Post ``layer``'s writes of each job; a job past its lease, or whose plan or post
-        fails, fails alone and posts no more."""
+    def post_layers(self, layers: Sequence[int], jobs: list[PrefillJob]) -> None:
+        """Post the writes of ``layers`` (their K/V computed) of each job; a job past its lease,
+        or whose plan or post fails, fails alone and posts no more."""
         if self.res.pool.kv.is_cuda:  # the layer's K/V must be in memory before the NIC reads them
             torch.cuda.current_stream().synchronize()
         now = time.monotonic()
@@ -101,19 +104,20 @@ class KVSender:
                 job.fail(PrefillTimeout(f"prefill of {job.request_id} passed its lease while computing"))
                 continue
             try:   # the decode worker may hold every block already: then nothing is posted
-                handles, nbytes = post_layer(self.res.transfer, self.res.region, self.res.layout, job.peer,
-                                             job.block_table[job.num_held_blocks:], job.dst_blocks,
-                                             pack_immediate(job.slot, job.generation),
-                                             self.res.config.max_write_bytes, layer)
+                handles, nbytes = post_layers(self.res.transfer, self.res.region, self.res.layout, job.peer,
+                                              job.block_table[job.num_held_blocks:], job.dst_blocks,
+                                              pack_immediate(job.slot, job.generation),
+                                              self.res.config.max_write_bytes, layers)
             except (KVTransferError, ValueError) as exc:
                 job.fail(exc)
                 continue
             job.handles.extend(handles)
             job.bytes_posted += nbytes
 
-    def rank_work(self, jobs: list[PrefillJob]) -> list[JobWrites] | None:
+    def rank_work(self, jobs: list[PrefillJob]) -> PassWrites | None:
         """The other ranks' part of a pass finishing ``jobs``: each job's `JobWrites` (its key
-        recorded: `_loop` then waits for every rank's report); None at TP 1."""
+        recorded: `_loop` then waits for every rank's report), posted as this rank posts
+        (``per_layer``); None at TP 1 or with no job to write."""
         if self.res.tp_size == 1:
             return None
         work = []
@@ -125,7 +129,7 @@ class KVSender:
                 self._reports[job.tp_key] = {}
             work.append(JobWrites(job.tp_key, job.peer_id, list(job.block_table[job.num_held_blocks:]),
                                   list(job.dst_blocks), pack_immediate(job.slot, job.generation), job.deadline))
-        return work
+        return PassWrites(work, self.per_layer) if work else None
 
     def count(self, job: PrefillJob) -> None:
         """Set ``job.num_writes`` (the plan's count over every layer and every rank's routes: the

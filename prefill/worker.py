@@ -6,9 +6,10 @@ Lifecycle of a job (states in `prefill.job`):
                 blocks (the local pool) and a place in a batch
     compute     COMPUTING: the ``prefill-loop`` thread runs forward passes; a prompt longer than
                 ``max_num_batched_tokens`` takes several passes (chunks). In the pass that holds
-                the prompt's LAST chunk, as each layer finishes, the writes of that layer (K and V
-                of every block, planned by `kvtransfer.plan_writes`, each carrying the immediate
-                (slot, generation)) are posted to the decode worker. The first token is sampled.
+                the prompt's LAST chunk, the writes of its K and V (every block, planned by
+                `kvtransfer.plan_writes`, each carrying the immediate (slot, generation)) are
+                posted to the decode worker: each layer's as the layer finishes, or all once the
+                pass ends (`WorkerConfig.kv_send`). The first token is sampled.
                 Delta transfer: the prompt's first ``num_held_blocks`` blocks, which the decode
                 worker already holds, are neither planned nor written (nor counted).
     transfer    TRANSFERRING: the ``prefill-sender`` thread waits for every posted write to
@@ -317,13 +318,16 @@ class PrefillWorker:
     def _run(self, batch: list[tuple[PrefillJob, SeqChunk]]) -> None:
         t0 = time.monotonic()
         finishing = [job for job, chunk in batch if chunk.need_logits]
-        on_layer = (lambda layer: self.sender.post_layer(layer, finishing)) if finishing else None
+        per_layer = self.sender.per_layer
+        on_layer = (lambda layer: self.sender.post_layers((layer,), finishing)) if finishing and per_layer else None
         work = self.sender.rank_work(finishing) if finishing else None
-        if work:   # tensor parallel: the other ranks post their heads' writes at the same layers
+        if work:   # tensor parallel: the other ranks post their heads' writes at the same points
             on_layer = LayerWork(on_layer, work)
         if all(job.warm for job, _ in batch):   # a warm-up pass (never batched with prefills)
             on_layer = self._yield_to_prefills
         logits = self.runner.execute(batch, on_layer_done=on_layer)
+        if finishing and not per_layer:
+            self.sender.post_layers(range(self.res.layout.num_layers), finishing)
         rows, index = [], []
         for i, j in enumerate(finishing):   # n > 1: one row per choice, on the same logits
             for c in range(j.params.n):

@@ -16,6 +16,7 @@ from rpc.auth import DEV_SECRET, read_secret
 ROLES = ("prefill", "decode")
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs", "cuda_ipc")
 ATTENTION_BACKENDS = ("grouped", "compiled", "auto")
+KV_SEND_MODES = ("auto", "layer", "pass")
 # KV pool blocks per role when --num-blocks is not given. A decode worker holds every running
 # sequence's KV (2048 blocks: 32 sequences of 1,024 tokens). A prefill worker holds a prompt
 # from its pass until its KV is sent, plus the prefix cache: 1024 blocks fit two prompts of the
@@ -90,6 +91,13 @@ class WorkerConfig:
         transfer_engine: kvtransfer engine name ("auto" picks verbs/tcp, shm per same-host peer).
         transfer_port: port of the data-plane listener (0: ephemeral).
         max_write_bytes: largest single KV write (bytes); writes are split above it.
+        kv_send: prefill: when the pass holding a prompt's last chunk posts its KV writes: "layer"
+            (each layer's as it finishes: the transfer overlaps the rest of the pass), "pass"
+            (every layer's once the pass ends), or "auto": "pass" on the CPU (the pass keeps every
+            CPU it has busy, and each layer's posting, the sender's copies and the receiver's
+            wake-ups take one of them from its thread team, which then waits at the next
+            operator), "layer" on a GPU (the copy engine or the NIC moves the bytes). The first
+            token is returned once every write completed, either way.
         heartbeat_interval_s: seconds between heartbeats (the router may override at register).
         transfer_timeout_s: decode: deadline for a reservation's KV to arrive, from Reserve.
         prefill_timeout_s: prefill: lease of a request (compute + transfer), seconds.
@@ -128,6 +136,7 @@ class WorkerConfig:
     transfer_engine: str = "auto"
     transfer_port: int = 0
     max_write_bytes: int = 4 << 20
+    kv_send: str = "auto"
     heartbeat_interval_s: float = 1.0
     transfer_timeout_s: float = 60.0
     prefill_timeout_s: float = 60.0
@@ -153,6 +162,8 @@ class WorkerConfig:
                      "max_write_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_send not in KV_SEND_MODES:
+            raise ValueError(f"kv_send must be one of {KV_SEND_MODES}, got {self.kv_send!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend != "grouped" and self.tensor_parallel_size > 1:
@@ -200,6 +211,11 @@ class WorkerConfig:
     def kv_dtype(self) -> str:
         """KV pool dtype of ``weights`` ("float32" or "bfloat16"; `engine.config.KV_CACHE_DTYPES`)."""
         return kv_cache_dtype(self.weights)
+
+    @property
+    def kv_send_per_layer(self) -> bool:
+        """``kv_send`` resolved: True to post each layer's KV writes as it finishes."""
+        return self.kv_send == "layer" or (self.kv_send == "auto" and self.device != "cpu")
 
     @property
     def listen_host(self) -> str:

@@ -11,8 +11,9 @@ heads, never through rank 0:
 - **Writer (prefill) ranks.** A decode group's description reaches rank 0 (Connect); rank 0 and,
   through the ``kv_connect`` call, every follower connect to the decode ranks their routes name
   (`kvtransfer.tp.head_routes`; `DecodePeer`). A pass that finishes prompts carries their
-  `JobWrites` to the followers (`engine.tp_ranks.LayerWork`); each rank posts, at each layer, the
-  writes of its own routes (`post_layer`), every write carrying the request's immediate. A
+  `PassWrites` to the followers (`engine.tp_ranks.LayerWork`); each rank posts the writes of its
+  own routes (`post_layers`), at each layer or all once the pass ends as rank 0's worker chose
+  (`WorkerConfig.kv_send`), every write carrying the request's immediate. A
   follower reports each job's completion to rank 0 (an event ``("kv_done", key, error, bytes)``),
   which retires the job only once every rank's writes completed.
 - **Reader (decode) ranks.** A follower's engine hands its immediates and lost writers to rank 0
@@ -103,15 +104,16 @@ def disconnect_group(engine: TransferEngine, peer: DecodePeer) -> None:
         engine.disconnect(peer_id)
 
 
-def post_layer(engine: TransferEngine, region: MemoryRegion, local: KVLayout, peer: DecodePeer,
-               src_blocks: Sequence[int], dst_blocks: Sequence[int], imm: int, max_write_bytes: int,
-               layer: int) -> tuple[list[WriteHandle], int]:
-    """Post ``layer``'s writes of this rank's routes to ``peer``: returns the handles and bytes.
-    Raises PlanError / RemoteAccessError (nothing more posted), TransferError (peer lost)."""
+def post_layers(engine: TransferEngine, region: MemoryRegion, local: KVLayout, peer: DecodePeer,
+                src_blocks: Sequence[int], dst_blocks: Sequence[int], imm: int, max_write_bytes: int,
+                layers: Sequence[int]) -> tuple[list[WriteHandle], int]:
+    """Post the writes of ``layers`` (one post per route) of this rank's routes to ``peer``:
+    returns the handles and bytes. Raises PlanError / RemoteAccessError (nothing more posted),
+    TransferError (peer lost)."""
     handles, nbytes = [], 0
     for route in peer.own_routes:
         peer_id, layout, key = peer.targets[route.dst_rank]
-        rows = plan_route_arrays(local, layout, route, src_blocks, dst_blocks, max_write_bytes, [layer])
+        rows = plan_route_arrays(local, layout, route, src_blocks, dst_blocks, max_write_bytes, layers)
         if len(rows):   # planned as arrays: no Python step per write on the pass's thread
             handles.append(engine.post_writes(peer_id, to_write_ops(rows, region, key, imm)))
             nbytes += int(rows[:, 2].sum())
@@ -141,6 +143,15 @@ class JobWrites:
     dst_blocks: list[int]
     imm: int
     deadline: float
+
+
+@dataclass(frozen=True)
+class PassWrites:
+    """A pass's writes for the follower ranks: each finishing job's `JobWrites`, and whether
+    they are posted at each layer (``per_layer``) or all once the pass ends."""
+
+    jobs: list[JobWrites]
+    per_layer: bool = True
 
 
 class _ForwardArrivals:
@@ -243,10 +254,12 @@ class RankDataPlane:
             disconnect_group(self.engine, peer)
 
     # -- a pass's writes --------------------------------------------------------------------------
-    def layer_hook(self, work: list[JobWrites]):
-        return lambda layer: self._post(layer, work)
+    def layer_hook(self, work: PassWrites):
+        if not work.per_layer:
+            return lambda layer: None   # posted by `after_pass`
+        return lambda layer: self._post((layer,), work.jobs)
 
-    def _post(self, layer: int, work: list[JobWrites]) -> None:
+    def _post(self, layers: Sequence[int], work: list[JobWrites]) -> None:
         now = time.monotonic()
         for job in work:
             if job.key in self._errors:
@@ -258,17 +271,20 @@ class RankDataPlane:
                 self._errors[job.key] = f"rank {self.rank}: the job passed its lease while computing"
             else:
                 try:
-                    handles, nbytes = post_layer(self.engine, self.region, self.layout, peer, job.src_blocks,
-                                                 job.dst_blocks, job.imm, self._max_write_bytes, layer)
+                    handles, nbytes = post_layers(self.engine, self.region, self.layout, peer, job.src_blocks,
+                                                  job.dst_blocks, job.imm, self._max_write_bytes, layers)
                 except (KVTransferError, ValueError) as exc:
                     self._errors[job.key] = f"rank {self.rank}: {exc}"
                     continue
                 self._pending.setdefault(job.key, []).extend(handles)
                 self._bytes[job.key] = self._bytes.get(job.key, 0) + nbytes
 
-    def after_pass(self, work: list[JobWrites]) -> None:
-        """Hand each job's handles to ``tp-rank-sender``, which reports it once they completed."""
-        for job in work:
+    def after_pass(self, work: PassWrites) -> None:
+        """Post every layer's writes when the pass posts at its end; then hand each job's handles
+        to ``tp-rank-sender``, which reports it once they completed."""
+        if not work.per_layer:
+            self._post(range(self.layout.num_layers), work.jobs)
+        for job in work.jobs:
             self._queue.put((job, self._pending.pop(job.key, []), self._errors.pop(job.key, None),
                              self._bytes.pop(job.key, 0)))
 

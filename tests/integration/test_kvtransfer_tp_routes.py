@@ -21,7 +21,7 @@ from kvtransfer.layout import POOL_LAYOUT
 from kvtransfer.tp import plan_route_writes, rank_heads
 from kvtransfer_helpers import engine_config
 from test_kvtransfer_contract import _overrides
-from worker.tp_rank import connect_group, count_job_writes, disconnect_group, post_layer
+from worker.tp_rank import connect_group, count_job_writes, disconnect_group, post_layers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -67,7 +67,8 @@ def test_each_reader_rank_gets_its_heads_and_counts_its_routes(engine, a, b):
                                  KV_HEADS, r, a, "the readers")
             peers.append(peer)
             for layer in range(LAYERS):
-                posted, _ = post_layer(tx, region, _layout(count, SRC_BLOCKS), peer, SRC, DST, imm, MAX_WRITE, layer)
+                posted, _ = post_layers(tx, region, _layout(count, SRC_BLOCKS), peer, SRC, DST, imm, MAX_WRITE,
+                                        (layer,))
                 handles += [(tx, h) for h in posted]
         for tx, h in handles:
             tx.wait(h, timeout_s=60)

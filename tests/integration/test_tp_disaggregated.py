@@ -36,6 +36,8 @@ PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)]
 BS = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(300, 300 + n)) for n in (5, 40, 97)]   # a partial block; 3 blocks; 7 blocks
+# when each prefill worker posts its writes (`WorkerConfig.kv_send`): both ways at TP 1 and above
+KV_SEND = {1: "layer", 2: "pass", 4: "layer"}
 
 
 def _config(role: str, path, tp: int, engine: str = "tcp", **kw) -> WorkerConfig:
@@ -77,7 +79,7 @@ def groups(qwen2):
             decode[tp] = DecodeWorker(res, arrivals)
             stack.callback(decode[tp].close)
         for tp in SIZES:
-            res = build_resources(_config("prefill", qwen2, tp))
+            res = build_resources(_config("prefill", qwen2, tp, kv_send=KV_SEND[tp]))
             stack.callback(res.close)
             prefill[tp] = PrefillWorker(res)
             stack.callback(prefill[tp].close)
@@ -118,6 +120,27 @@ def _serve(prefill: PrefillWorker, decode: DecodeWorker, dst: str, rid: str, pro
 @pytest.mark.parametrize("a,b", PAIRS)
 def test_kv_between_tp_sizes_decodes_the_tp1_tokens(groups, reference, a, b):
     check_pair(groups[0][a], groups[1][b], f"d{b}", reference, 4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_writes_are_posted_at_each_layer_or_once_the_pass_ends(groups, reference, tp):
+    """``kv_send``: "layer" posts each layer's writes as it finishes, "pass" every layer's in one
+    call after the pass (rank 0's calls recorded; the followers' writes are counted in by the
+    decode worker's completion, `check_pair`); the decoded tokens are the reference's either way."""
+    prefill, calls = groups[0][tp], []
+    post = prefill.sender.post_layers
+
+    def recording(layers, jobs):
+        calls.append(list(layers))
+        post(layers, jobs)
+
+    prefill.sender.post_layers = recording
+    try:
+        check_pair(prefill, groups[1][1], "d1", {k: v for k, v in reference.items() if len(k) == 40}, 4)
+    finally:
+        del prefill.sender.post_layers
+    num_layers = prefill.res.layout.num_layers
+    assert calls == ([[layer] for layer in range(num_layers)] if KV_SEND[tp] == "layer" else [list(range(num_layers))])
 
 
 def test_smollm2_written_by_tp3_prefill_into_tp1_decode(smollm):

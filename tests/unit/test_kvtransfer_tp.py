@@ -130,7 +130,7 @@ def _reference_writes(src: KVLayout, dst: KVLayout, route: HeadRoute, src_ids: l
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_arrays_a_worker_posts_are_the_planned_writes_and_are_counted_without_planning(seed):
-    """`plan_route_arrays` (what `worker.tp_rank.post_layer` posts) row for row equals the writes
+    """`plan_route_arrays` (what `worker.tp_rank.post_layers` posts) row for row equals the writes
     computed one at a time from `KVLayout.offset`, for random routes, block ids, layers and splits;
     `plan_route_writes` holds the same writes; `count_route_writes` is their number; and
     `to_write_ops` makes the same ops from the arrays as from the objects, short plans and long."""

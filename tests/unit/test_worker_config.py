@@ -35,10 +35,19 @@ def test_num_blocks_defaults_per_role():
     ({"role": "decode", "quarantine_s": 10.0}, "quarantine_s"),
     ({"role": "decode", "weights": "int4"}, "weights"),
     ({"role": "decode", "weights": "native", "device": "cuda", "transfer_engine": "verbs"}, "CPU only"),
+    ({"role": "prefill", "kv_send": "chunk"}, "kv_send"),
 ])
 def test_invalid_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WorkerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kv_send, device, per_layer", [
+    ("auto", "cpu", False), ("auto", "cuda", True), ("auto", "cuda:1", True),
+    ("layer", "cpu", True), ("pass", "cuda", False),
+])
+def test_kv_send_auto_posts_at_the_pass_end_on_the_cpu_and_per_layer_on_a_gpu(kv_send, device, per_layer):
+    assert WorkerConfig(role="prefill", weights="bf16", device=device, kv_send=kv_send).kv_send_per_layer is per_layer
 
 
 def test_cli_flags_mirror_fields(monkeypatch):
