@@ -274,9 +274,10 @@ def test_a_failed_transfers_blocks_return_once_every_writer_that_could_write_is_
         t, ids = r.require_transfer(), list(r.blocks)
         writer = spawn((ids, ids, 64, t.slot, t.generation))
         decode.add_writer_group([writer, mate])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while writer not in decode.counter.writers(t.slot, t.generation) and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert writer in decode.counter.writers(t.slot, t.generation)   # it touched the blocks
         kill(1, mate)
         assert decode.abort("group")
         assert num_free_after(1.0) == full - len(ids)   # the writing rank lives: quarantined
