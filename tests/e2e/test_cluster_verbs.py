@@ -66,9 +66,12 @@ def verbs_cluster(tmp_path_factory):
                             # one attempt: a retry after the kill would reserve blocks that the dead
                             # prefill never wrote, which stay quarantined by design (no writer known)
                             router_args=("--prefill-timeout-s", "600", "--max-attempts", "1"),
+                            # --kv-send layer: a prompt's writes are posted layer by layer through
+                            # its pass (seconds in the lab), so the kill below lands mid-transfer;
+                            # the CPU default (pass) posts them in one burst after the pass
                             worker_args=("--quarantine-s", "240", "--prefill-timeout-s", "200",
                                          "--transfer-timeout-s", "200", "--prefix-caching",
-                                         "--block-size", str(BLOCK_SIZE)))
+                                         "--block-size", str(BLOCK_SIZE), "--kv-send", "layer"))
     cluster = Cluster(config).start()
     yield cluster
     cluster.stop()
