@@ -250,12 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "no faster on the CPU, measured: docs/PERFORMANCE.md, 'Compiled layers'), and "
                         "with --device cuda a decode worker replays its decode steps from CUDA graphs")
     u.add_argument("--attention-backend", default=None, choices=["auto", "grouped", "compiled"],
-                   help="CPU decode workers' decode attention: compiled (the pool read through the block "
-                        "table by a torch.compile kernel built at start-up; engine.paged_decode.CompiledDecode; "
-                        "measured: docs/PERFORMANCE.md, 'Decode attention through the block table'), grouped "
-                        "(K/V gathered per group and attended by SDPA), or auto (compiled where inductor "
-                        "can build it, else grouped with a warning); default: auto at tensor parallel size "
-                        "1, grouped with TP")
+                   help="CPU workers' attention: compiled (decode attention reads the pool through the block "
+                        "table, engine.paged_decode.CompiledDecode; prompts attend through FlexAttention, "
+                        "engine.flex_prefill.CompiledPrefill; torch.compile kernels built at start-up; "
+                        "measured: docs/PERFORMANCE.md, 'Decode attention through the block table' and "
+                        "'Prefill attention through FlexAttention'), grouped (K/V gathered per group and "
+                        "attended by SDPA; prompts by SDPA), or auto (compiled where inductor can build it, "
+                        "else grouped with a warning); default: auto at tensor parallel size 1, grouped with TP")
     u.add_argument("--kv-send", default="auto", choices=["auto", "layer", "pass"],
                    help="when prefill workers post a prompt's KV writes: layer (each layer's as it "
                         "finishes, overlapping the rest of the pass), pass (all once the pass ends), or "

@@ -302,7 +302,8 @@ class DecodeGroup:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                     block_size: int, window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None, decode_kernel: "engine.paged_decode.CompiledDecode | None" = None) -> torch.Tensor:
+                    softcap: float | None = None, decode_kernel: "engine.paged_decode.CompiledDecode | None" = None,
+                    prefill_kernel: "engine.flex_prefill.CompiledPrefill | None" = None) -> torch.Tensor:
     """Attention of the new tokens, after their K/V have been written into the pool.
 
     Args:
@@ -321,6 +322,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         decode_kernel: on the CPU, the one-token sequences' attention through this `CompiledDecode`
             (`engine.paged_decode`) instead of the grouped path when they are at least its ``min_rows``
             (``--attention-backend compiled``).
+        prefill_kernel: on the CPU, the attention of a prompt with no cached context (its chunk
+            is the sequence's start) through this `CompiledPrefill` instead of SDPA when it
+            `takes` the prompt's length (``--attention-backend compiled``).
     Returns:
         ``[T, num_heads * head_dim]`` in ``q``'s dtype.
     """
@@ -338,6 +342,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue   # done above
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         windowed = window is not None and ctx > window
+        if ctx == n and not windowed and softcap is None and prefill_kernel is not None and prefill_kernel.takes(n):
+            out[first:first + n] = prefill_kernel(q[first:first + n], k[first:first + n].to(q.dtype),
+                                                  v[first:first + n].to(q.dtype), scale)
+            continue
         if ctx == n and not windowed and softcap is None:
             ks = k[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
             vs = v[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)

@@ -58,6 +58,20 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     return out.reshape(d, heads * dim)
 
 
+def configure_inductor() -> None:
+    """Inductor as the worker's compiled kernels use it (`CompiledDecode`,
+    `engine.flex_prefill.CompiledPrefill`): it compiles in the calling process
+    (``compile_threads = 1``: no pool of compile workers left running), and takes the CPU's vector
+    instructions from torch's own detection (``cpp.vec_isa_ok``) unless
+    ``TORCHINDUCTOR_VEC_ISA_OK`` set it: no probe libraries built and loaded in child processes
+    at every start."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    if inductor_config.cpp.vec_isa_ok is None:
+        inductor_config.cpp.vec_isa_ok = True
+
+
 class CompiledDecode:
     """`paged_decode_indexed` through ``torch.compile`` (inductor): the CPU decode-attention
     kernel of a worker started with ``--attention-backend compiled`` (or ``auto``); K/V are read from the pool
@@ -84,12 +98,8 @@ class CompiledDecode:
         """``min_rows``: decode batches of fewer one-token sequences keep the grouped path, where
         this kernel's fixed cost per call (guards, padding) outweighs its gain (measured:
         docs/PERFORMANCE.md, "Decode attention through the block table")."""
-        import torch._inductor.config as inductor_config
-
         self.min_rows = min_rows
-        inductor_config.compile_threads = 1   # compile in this process: no pool of compile workers left running
-        if inductor_config.cpp.vec_isa_ok is None:   # torch.cpu's detection; no probe builds (class doc)
-            inductor_config.cpp.vec_isa_ok = True
+        configure_inductor()
         self._fn = torch.compile(paged_decode_indexed, dynamic=False)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,

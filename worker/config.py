@@ -72,13 +72,15 @@ class WorkerConfig:
             (`engine.compiled`: ``torch.compile``, built at start-up, their build time logged,
             inductor's caches on disk so a restart reuses them), and on a GPU a decode worker
             replays its decode steps from CUDA graphs (`engine.cuda_graphs`).
-        attention_backend: a CPU decode worker's decode attention: "grouped" (each group of
-            sequences' K/V gathered, cast and attended by SDPA), or "compiled"
-            (`engine.paged_decode.CompiledDecode`: the pool read through the block table by a
-            ``torch.compile`` kernel, built at start-up with its time logged; needs a C++
-            compiler for inductor: refused to start without one), or "auto" (compiled where it
-            builds, else grouped with a warning saying why; ``pdserve up``'s default). Prefill
-            workers and CUDA pools (Triton) ignore it.
+        attention_backend: a CPU worker's attention: "grouped" (a decode worker's decode
+            attention: each group of sequences' K/V gathered, cast and attended by SDPA; prompts
+            by SDPA), or "compiled" (decode workers: `engine.paged_decode.CompiledDecode`, the
+            pool read through the block table by a ``torch.compile`` kernel; every worker: the
+            attention of prompts with no cached context through FlexAttention,
+            `engine.flex_prefill.CompiledPrefill`; built at start-up with their time logged;
+            needs a C++ compiler for inductor: refused to start without one), or "auto"
+            (compiled where it builds, else grouped with a warning saying why; ``pdserve up``'s
+            default). CUDA pools (Triton) ignore it.
         parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
             thread (a decode step's small operators gain nothing from a second thread and wait
             at each operator's barrier for a thread another process took off a shared core),

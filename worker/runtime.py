@@ -26,6 +26,7 @@ import torch
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
+from engine.flex_prefill import CompiledPrefill
 from engine.paged_decode import CompiledDecode
 from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
@@ -134,30 +135,56 @@ class WorkerResources:
             self.shared.close()
 
 
-def _set_decode_kernel(config: WorkerConfig, model, pool: KVPool) -> None:
-    """A CPU decode worker's decode attention (``config.attention_backend``): "compiled" and
-    "auto" give the model an `engine.paged_decode.CompiledDecode` and build its graph now, its time
-    logged. When inductor cannot build it here (no C++ compiler, say), "compiled" refuses to start
-    (ValueError naming the cause) and "auto" logs a warning with the cause and keeps the grouped
-    path. Prefill workers, CUDA pools (Triton), compiled layers (``--no-enforce-eager``) and
-    "grouped" change nothing."""
-    if (config.attention_backend == "grouped" or config.role != "decode" or config.device != "cpu"
-            or not config.enforce_eager):   # compiled layers attend through their own custom operator
-        return
-    model.decode_kernel = CompiledDecode()
-    try:
-        seconds = model.warm_up(pool)
-    except Exception as exc:   # inductor's own errors
-        model.decode_kernel = None
-        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if config.attention_backend == "compiled":
-            raise ValueError(f"--attention-backend compiled: the kernel could not be built here ({cause}); "
-                             f"use --attention-backend grouped") from exc
-        log.warning("decode attention: grouped (--attention-backend auto could not build the compiled "
-                    "kernel here: %s)", cause)
-        return
-    log.info("decode attention: compiled (engine.paged_decode.CompiledDecode), built in %.1f s (inductor's cache: %s)",
-             seconds, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
+def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
+    """A CPU worker's compiled attention kernels (``config.attention_backend`` "compiled" or
+    "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
+    worker's attention of prompts with no cached context (`engine.flex_prefill.CompiledPrefill`;
+    a decode worker runs prompt passes when serving colocated). Each is built now, one graph per
+    thread count a pass may run on (`_pass_thread_counts`), its time logged. When inductor
+    cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming
+    the cause) and "auto" logs a warning with the cause and keeps SDPA / the grouped path. CUDA
+    pools (Triton), compiled layers (``--no-enforce-eager``) and "grouped" change nothing."""
+    if config.attention_backend == "grouped" or config.device != "cpu" or not config.enforce_eager:
+        return   # compiled layers attend through their own custom operator
+    kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA")]
+    if config.role == "decode":
+        kernels.insert(0, ("decode_kernel", CompiledDecode, "decode attention", "grouped"))
+    threads, counts = torch.get_num_threads(), _pass_thread_counts(config)
+    import torch._dynamo.config as dynamo_config
+
+    # a graph per thread count: past dynamo's limit a kernel would run uncompiled (flex eagerly: slow)
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(counts) + 1)
+    for attr, kind, what, fallback in kernels:
+        setattr(model, attr, kind())
+        try:
+            seconds = 0.0
+            for count in counts:
+                torch.set_num_threads(count)
+                seconds += model.warm_up(pool)
+        except Exception as exc:   # inductor's own errors
+            setattr(model, attr, None)
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if config.attention_backend == "compiled":
+                raise ValueError(f"--attention-backend compiled: the {what} kernel could not be built here "
+                                 f"({cause}); use --attention-backend grouped") from exc
+            log.warning("%s: %s (--attention-backend auto could not build the compiled kernel here: %s)",
+                        what, fallback, cause)
+            continue
+        finally:
+            torch.set_num_threads(threads)
+        log.info("%s: compiled (%s.%s), built in %.1f s (inductor's cache: %s)", what, kind.__module__,
+                 kind.__name__, seconds, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
+
+
+def _pass_thread_counts(config: WorkerConfig) -> list[int]:
+    """The torch thread counts a pass with a prompt the compiled prompt kernel takes may run on
+    (`engine.runner.ModelRunner`): ``threads``, plus one for each lent CPU it may borrow, and one
+    thread when such a pass can be under ``parallel_min_tokens``. Inductor's CPU graphs are built
+    for one thread count (torch guards on it), so that kernel is built for each."""
+    counts = {config.threads + borrowed for borrowed in range(len(config.lent_cpus()) + 1)}
+    if config.parallel_min_tokens > CompiledPrefill.min_tokens:
+        counts.add(1)
+    return sorted(counts)
 
 
 def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None,
@@ -191,7 +218,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     if tp:   # the followers' pools: in shared memory as rank 0's
         loaded.model.call("kv_buffer", shared is not None)
     pool = make_pool(loaded, cache, buffer)
-    _set_decode_kernel(config, loaded.model, pool)
+    _set_attention_kernels(config, loaded.model, pool)
     if not config.enforce_eager:
         seconds = loaded.model.warm_up(pool)
         log.info("compiled the model's layers in %.1f s (inductor's cache: %s)", seconds,

@@ -27,7 +27,7 @@ from engine.attention import ForwardBatch, SeqChunk, paged_attention, store_kv
 from engine.compiled import PassContext, compile_fn, register_kernel
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool
-from engine.linear import Linear, gemv_copy_pays, resolve_backend
+from engine.linear import Linear, bf16_matmul_fast, gemv_copy_pays, resolve_backend
 from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
 from engine.models.rope import RotaryEmbedding
@@ -109,6 +109,9 @@ class LlamaModel:
                              for p in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         if self.quantized and weights.embed.device.type != "cpu":
             raise ValueError("4-bit (native) weights run on the CPU only")
+        if (self.quantized and self.tp.size == 1 and bf16_matmul_fast()
+                and all(layer.experts is None for layer in weights.layers)):
+            self._bf16_activations()
         # the head before the layers: built after them, some processes ran the int4 projections
         # slower for their whole life, none with this order (the placement of the packed int4
         # weights beside onnxruntime's allocations, presumably; measured: docs/PERFORMANCE.md,
@@ -143,6 +146,9 @@ class LlamaModel:
         self.decode_kernel = None
         """`engine.paged_decode.CompiledDecode` for the CPU decode attention (``--attention-backend
         compiled``, set by `worker.runtime`); None: the grouped path."""
+        self.prefill_kernel = None
+        """`engine.flex_prefill.CompiledPrefill` for the CPU attention of prompts with no cached
+        context (``--attention-backend compiled``, set by `worker.runtime`); None: SDPA."""
         if compiled:
             self._compile()
 
@@ -178,7 +184,8 @@ class LlamaModel:
             if on_layer_done is not None:   # the layer's K/V are in the pool
                 on_layer_done(i)
             return paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, self._windows[i],
-                                   self.config.attn_scale, self.config.attn_softcap, self.decode_kernel)
+                                   self.config.attn_scale, self.config.attn_softcap, self.decode_kernel,
+                                   self.prefill_kernel)
 
         if self._compiled_layers is None:
             return self._layers_forward(batch.input_ids, tables, batch.logits_indices, attend)
@@ -240,6 +247,8 @@ class LlamaModel:
                 out = _rms_norm(out, (c.hidden_size,), post_ffn, c.rms_norm_eps)
             h = h + out
         h = _rms_norm(h.index_select(0, logits_indices), (c.hidden_size,), self._final_norm, c.rms_norm_eps)
+        if self.quantized:   # HeadLinear returns its rows' dtype: float32 rows keep the logits' precision
+            h = h.float()
         logits = self._mm(self._lm_head, h, compiled).float()
         if self.tp.size > 1:
             logits = self.tp.gather_columns(logits, self._vocab_width, c.vocab_size)
@@ -261,16 +270,25 @@ class LlamaModel:
         """With compiled layers, build their graphs now rather than at the first requests: one
         pass of each shape kind (one token; one prompt of several tokens; two one-token
         sequences) over two blocks of ``pool`` taken and given back. Returns the seconds it took
-        (0.0 when eager). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its graph
-        too, by a decode pass of as many sequences as it takes (its ``min_rows``). Raises
-        ValueError when ``pool`` has fewer than two free blocks."""
-        if self._compiled_layers is None and self.decode_kernel is None:
+        (0.0 when nothing is compiled). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its graph
+        too, by a decode pass of as many sequences as it takes (its ``min_rows``); with a
+        `prefill_kernel` (`engine.flex_prefill.CompiledPrefill`), its graph, by a call on random
+        rows of this model's head shapes and the shortest prompt it takes. Raises ValueError
+        when ``pool`` has fewer than two free blocks."""
+        if self._compiled_layers is None and self.decode_kernel is None and self.prefill_kernel is None:
             return 0.0
+        t0 = time.perf_counter()
+        if self.prefill_kernel is not None:   # under inference_mode as `forward` (torch guards on it)
+            c, n = self._local, self.prefill_kernel.min_tokens
+            with torch.inference_mode():
+                self.prefill_kernel(*(torch.randn(n, heads, c.head_dim, dtype=self.attn_dtype, device=self.device)
+                                      for heads in (c.num_heads, c.num_kv_heads, c.num_kv_heads)), self.config.attn_scale)
+        if self._compiled_layers is None and self.decode_kernel is None:
+            return time.perf_counter() - t0
         bs = pool.block_size
         blocks = pool.allocator.try_allocate(2)
         if blocks is None:
             raise ValueError("warming up the compiled layers needs 2 free KV blocks")
-        t0 = time.perf_counter()
         try:
             rows = 2 if self.decode_kernel is None else max(2, self.decode_kernel.min_rows)
             for chunks in ([SeqChunk([1], 0, blocks[:1])], [SeqChunk([1] * min(bs, 4), 0, blocks[:1])],
@@ -289,6 +307,22 @@ class LlamaModel:
             out = self.config.hidden_size if isinstance(k, RoutedExperts) else k.out_features
             k.kernel_id = register_kernel(k, out)
         self._compiled_layers = compile_fn(self._layers_forward)
+
+    def _bf16_activations(self) -> None:
+        """4-bit (native) weights on a CPU that multiplies bfloat16 natively: the activations
+        (embedding rows, residual stream, the projections' inputs and outputs) in bfloat16, as
+        transformers runs a bfloat16 checkpoint, instead of float32 cast to bfloat16 before and
+        back after every projection, whose kernels (`Int4Linear`) compute from bfloat16 inputs
+        either way. RMSNorm still normalizes in float32 and scales by its float32 weight
+        (`_rms_norm`), attention still runs in float32 (``attn_dtype``), and the head takes
+        float32 rows. Not with tensor parallelism (the all-reduce would sum bfloat16 partials)
+        or routed experts (their kernels take float32). Its tolerance against fp32 mode is
+        tests/integration/test_engine_reference.py's."""
+        self.dtype = torch.bfloat16
+        self._embed = self._embed.to(self.dtype)
+        for extra in self._extras:
+            extra.bqkv = None if extra.bqkv is None else extra.bqkv.to(self.dtype)
+            extra.bo = None if extra.bo is None else extra.bo.to(self.dtype)
 
     def _keep_gemv_copies_if_faster(self) -> bool:
         """Time one-row inputs through the gemv copies and the packed weights (layer 0's

@@ -1,0 +1,117 @@
+"""`worker.runtime`'s choice of a CPU worker's attention kernels (``--attention-backend``): a
+decode worker's compiled decode kernel and every worker's compiled prompt kernel, built at
+start-up for each thread count a pass may take, and what happens where inductor cannot build
+them (a fault injected by replacing a kernel's class with one that fails as a missing C++
+compiler would)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import torch
+
+from engine.config import CacheConfig
+from engine.flex_prefill import CompiledPrefill
+from engine.paged_decode import CompiledDecode
+from engine.kv_cache import KVPool
+from tests.unit.test_engine_runner import TINY, _model
+from worker.config import WorkerConfig
+from worker.runtime import _pass_thread_counts, _set_attention_kernels
+
+pytestmark = pytest.mark.unit
+
+
+class _NoCompiler(CompiledDecode):
+    """Injected fault: the first call fails as inductor does without a C++ compiler."""
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found (injected)")
+
+
+class _NoCompilerPrefill(CompiledPrefill):
+    """Injected fault, as `_NoCompiler`, for the prompt kernel."""
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found (injected)")
+
+
+class _Counting(CompiledPrefill):
+    """The real prompt kernel, recording the torch thread count of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.thread_counts = []
+
+    def __call__(self, *args, **kwargs):
+        self.thread_counts.append(torch.get_num_threads())
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.fixture()
+def model_and_pool():
+    return _model(5), KVPool(TINY, CacheConfig(block_size=4, num_blocks=16))
+
+
+def test_auto_and_compiled_build_the_kernels_and_grouped_does_not(model_and_pool, caplog):
+    model, pool = model_and_pool
+    _set_attention_kernels(WorkerConfig(role="decode", attention_backend="grouped"), model, pool)
+    assert model.decode_kernel is None and model.prefill_kernel is None
+    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="compiled"), model, pool)
+    assert model.decode_kernel is None and isinstance(model.prefill_kernel, CompiledPrefill)
+    model.prefill_kernel = None
+    with caplog.at_level(logging.INFO, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto"), model, pool)
+    assert isinstance(model.decode_kernel, CompiledDecode) and isinstance(model.prefill_kernel, CompiledPrefill)
+    assert "decode attention: compiled" in caplog.text and "prompt attention: compiled" in caplog.text
+    assert pool.allocator.num_free == pool.allocator.num_blocks   # the warm-up gave its blocks back
+
+
+def test_the_prompt_kernel_is_built_for_each_thread_count_a_pass_may_take(model_and_pool, monkeypatch):
+    """A worker with one thread that may borrow one lent CPU runs prompt passes on one or two
+    threads: the kernel is called (built) at both; more lent CPUs, more counts; a second
+    thread for long passes only (``parallel_min_tokens`` above the kernel's shortest prompt)
+    adds one thread."""
+    model, pool = model_and_pool
+    monkeypatch.setattr("worker.runtime.CompiledPrefill", _Counting)
+    before = torch.get_num_threads()
+    config = WorkerConfig(role="prefill", attention_backend="compiled", cpu_board="/tmp/board", borrow_cpus="1")
+    _set_attention_kernels(config, model, pool)
+    assert model.prefill_kernel.thread_counts == [1, 2]
+    assert torch.get_num_threads() == before
+    assert _pass_thread_counts(WorkerConfig(role="prefill", borrow_cpus="2,3", cpu_board="/tmp/board")) == [1, 2, 3]
+    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2)) == [2]
+    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1024)) == [1, 2]
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_where_a_kernel_cannot_be_built_auto_keeps_the_eager_path_and_compiled_refuses(
+        model_and_pool, monkeypatch, caplog, role):
+    model, pool = model_and_pool
+    monkeypatch.setattr("worker.runtime.CompiledDecode", _NoCompiler)
+    monkeypatch.setattr("worker.runtime.CompiledPrefill", _NoCompilerPrefill)
+    with caplog.at_level(logging.WARNING, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role=role, attention_backend="auto"), model, pool)
+    assert model.decode_kernel is None and model.prefill_kernel is None
+    assert "prompt attention: SDPA" in caplog.text and "No working C++ compiler" in caplog.text
+    assert ("decode attention: grouped" in caplog.text) == (role == "decode")
+    with pytest.raises(ValueError, match="--attention-backend compiled: the .* kernel could not be built"):
+        _set_attention_kernels(WorkerConfig(role=role, attention_backend="compiled"), model, pool)
+    assert model.decode_kernel is None and model.prefill_kernel is None
+    assert pool.allocator.num_free == pool.allocator.num_blocks
+
+
+def test_the_kernel_takes_torchs_isa_detection_unless_told_otherwise():
+    """No probe libraries built and loaded in child processes at each start (`CompiledDecode`);
+    an explicit ``TORCHINDUCTOR_VEC_ISA_OK`` (inductor's ``cpp.vec_isa_ok``) is kept. Inductor's
+    own ``patch`` sets and restores the option: pytest's monkeypatch would delete it on undo
+    (it cannot read the old value off inductor's config proxy), hiding it from later tests."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):
+        CompiledDecode()
+        assert inductor_config.cpp.vec_isa_ok is True
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        CompiledDecode()
+        assert inductor_config.cpp.vec_isa_ok is False
