@@ -322,9 +322,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         decode_kernel: on the CPU, the one-token sequences' attention through this `CompiledDecode`
             (`engine.paged_decode`) instead of the grouped path when they are at least its ``min_rows``
             (``--attention-backend compiled``).
-        prefill_kernel: on the CPU, the attention of a prompt with no cached context (its chunk
-            is the sequence's start) through this `CompiledPrefill` instead of SDPA when it
-            `takes` the prompt's length (``--attention-backend compiled``).
+        prefill_kernel: on the CPU, a prompt chunk's attention (to itself and, past cached
+            context, to the pool's K/V before it, gathered) through this `CompiledPrefill`
+            instead of SDPA when it `takes` the chunk's length, outside sliding windows and
+            soft-capping (``--attention-backend compiled``).
     Returns:
         ``[T, num_heads * head_dim]`` in ``q``'s dtype.
     """
@@ -342,21 +343,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue   # done above
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         windowed = window is not None and ctx > window
-        if ctx == n and not windowed and softcap is None and prefill_kernel is not None and prefill_kernel.takes(n):
-            out[first:first + n] = prefill_kernel(q[first:first + n], k[first:first + n].to(q.dtype),
-                                                  v[first:first + n].to(q.dtype), scale)
+        if ctx == n:
+            ks, vs = k[first:first + n], v[first:first + n]
+        else:
+            ks, vs = _gather(k_pool, blocks, block_size, ctx), _gather(v_pool, blocks, block_size, ctx)
+        if not windowed and softcap is None and prefill_kernel is not None and prefill_kernel.takes(n):
+            out[first:first + n] = prefill_kernel(q[first:first + n], ks.to(q.dtype), vs.to(q.dtype), scale)
             continue
+        ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
         if ctx == n and not windowed and softcap is None:
-            ks = k[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
-            vs = v[first:first + n].to(q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
         else:
-            if ctx == n:
-                ks, vs = k[first:first + n], v[first:first + n]
-            else:
-                ks, vs = _gather(k_pool, blocks, block_size, ctx), _gather(v_pool, blocks, block_size, ctx)
-            ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
-            vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
             rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             cols = torch.arange(ctx, device=q.device)[None, :]
             mask = cols <= rows

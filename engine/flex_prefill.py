@@ -1,4 +1,4 @@
-"""Prefill attention of whole prompts on the CPU through FlexAttention compiled by inductor
+"""Prefill attention of prompt chunks on the CPU through FlexAttention compiled by inductor
 (`CompiledPrefill`), the prompt kernel of ``--attention-backend compiled|auto``;
 `engine.attention.paged_attention` dispatches to it. Measured against torch's flash SDPA:
 docs/PERFORMANCE.md, "Prefill attention through FlexAttention".
@@ -20,29 +20,43 @@ BLOCK = 64
 """Rows (queries) and columns (keys) of one block of the causal block mask."""
 
 
-def _causal(b, h, q_idx, kv_idx):
-    """FlexAttention mask function: query ``q_idx`` sees keys at or before it."""
-    return q_idx >= kv_idx
-
-
-def causal_block_mask(n: int, device: torch.device | str = "cpu"):
-    """The `BlockMask` of causal self-attention over ``n`` tokens, built from its block counts
-    (no mask evaluation): query block ``i`` reads key blocks ``0 .. i-1`` whole and block ``i``
-    through `_causal`. Blocks are `BLOCK` tokens; the last may be partial (``seq_lengths``)."""
+def causal_block_mask(n: int, ctx: int | None = None, device: torch.device | str = "cpu"):
+    """The `BlockMask` of ``n`` queries at positions ``ctx - n .. ctx - 1`` attending causally to
+    ``ctx`` keys at positions ``0 .. ctx - 1`` (a prompt chunk after ``ctx - n`` cached tokens;
+    ``ctx`` None: ``n``, a whole prompt), built from its block counts, no mask evaluated: query
+    block ``i`` reads whole every key block that ends at or before its first query's position,
+    and through the mask function the blocks that start at or before its last query's position.
+    Blocks are `BLOCK` tokens; the last of each side may be partial (``seq_lengths``).
+    Raises ValueError when ``ctx < n``."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    nb = -(-n // BLOCK)
-    rows = torch.arange(nb, dtype=torch.int32, device=device)
-    cols = rows.expand(nb, nb)
-    return BlockMask.from_kv_blocks(
-        torch.ones(1, 1, nb, dtype=torch.int32, device=device), rows.view(1, 1, nb, 1).expand(1, 1, nb, nb).contiguous(),
-        rows.view(1, 1, nb), cols.view(1, 1, nb, nb).contiguous(), BLOCK_SIZE=BLOCK, mask_mod=_causal,
-        seq_lengths=(n, n), compute_q_blocks=False)
+    ctx = n if ctx is None else ctx
+    if ctx < n:
+        raise ValueError(f"{n} queries cannot sit past {ctx} keys")
+    offset = torch.tensor(ctx - n, dtype=torch.int64, device=device)
+
+    def causal(b, h, q_idx, kv_idx):   # FlexAttention's mask function: query q_idx sees keys up to its position
+        return q_idx + offset >= kv_idx
+
+    nq, nk = -(-n // BLOCK), -(-ctx // BLOCK)
+    first_query = (ctx - n) + torch.arange(nq, device=device) * BLOCK      # each query block's first position
+    key_end = (torch.arange(nk, device=device) + 1) * BLOCK - 1              # each key block's last position
+    full = key_end[None, :] <= first_query[:, None]
+    partial = (key_end[None, :] - (BLOCK - 1) <= first_query[:, None] + (BLOCK - 1)) & ~full
+
+    def counts_and_indices(blocks: torch.Tensor):   # [nq, nk] bool -> counts [1, 1, nq], indices [1, 1, nq, nk]
+        order = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True)   # the marked blocks first, in order
+        return (blocks.sum(1).to(torch.int32).view(1, 1, nq),
+                order.to(torch.int32).view(1, 1, nq, nk).contiguous())
+
+    return BlockMask.from_kv_blocks(*counts_and_indices(partial), *counts_and_indices(full), BLOCK_SIZE=BLOCK,
+                                    mask_mod=causal, seq_lengths=(n, ctx), compute_q_blocks=False)
 
 
 class CompiledPrefill:
-    """Causal attention of one prompt's tokens to themselves (no cached context) through
-    ``torch.compile(flex_attention, dynamic=True)``. Built at its first call (inductor, seconds;
+    """Causal attention of a prompt chunk's tokens to themselves and to the sequence's cached
+    context before them through ``torch.compile(flex_attention, dynamic=True)``: one graph for
+    every chunk length and context (the context offset is a tensor the mask function reads). Built at its first call (inductor, seconds;
     `engine.models.llama.LlamaModel.warm_up` makes that call at start-up, its time logged by the
     worker) and on disk in inductor's cache for the next start.
 
@@ -66,17 +80,21 @@ class CompiledPrefill:
         return n >= self.min_tokens
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """Causal self-attention of ``n`` tokens.
+        """Causal attention of ``n`` queries, the last ``n`` of ``ctx`` positions, to all ``ctx``.
 
         Args:
-            q: ``[n, num_heads, head_dim]``; k, v: ``[n, num_kv_heads, head_dim]``, ``q``'s dtype
-                (float32 on the CPU), ``num_heads`` a multiple of ``num_kv_heads`` (query head
-                ``h`` reads KV head ``h // (num_heads / num_kv_heads)``, Hugging Face's ``repeat_kv``).
+            q: ``[n, num_heads, head_dim]``; k, v: ``[ctx, num_kv_heads, head_dim]``, ``ctx >= n``
+                (the cached context's K/V, then the chunk's), ``q``'s dtype (float32 on the CPU),
+                ``num_heads`` a multiple of ``num_kv_heads`` (query head ``h`` reads KV head
+                ``h // (num_heads / num_kv_heads)``, Hugging Face's ``repeat_kv``).
             scale: the scores' scale; None: ``head_dim ** -0.5``.
         Returns:
             ``[n, num_heads * head_dim]`` in ``q``'s dtype.
+        Raises:
+            ValueError: fewer keys than queries.
         """
         n = q.shape[0]
+        mask = causal_block_mask(n, k.shape[0], q.device)
         o = self._flex(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                       block_mask=causal_block_mask(n, q.device), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+                       block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return o.squeeze(0).transpose(0, 1).reshape(n, -1)

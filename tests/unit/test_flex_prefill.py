@@ -1,8 +1,8 @@
 """The CPU prompt-attention kernel (`engine.flex_prefill.CompiledPrefill`: FlexAttention through
-inductor) against torch's SDPA: every length (partial last blocks included), grouped and plain
-heads, one graph per thread count for every length; and `engine.attention.paged_attention`'s
-dispatch to it (prompts it takes, not shorter ones, not chunks with cached context), a model's
-logits through it equal to SDPA's."""
+inductor) against torch's SDPA: every chunk length and cached context (partial last blocks
+included), grouped and plain heads, one graph for all of them; and
+`engine.attention.paged_attention`'s dispatch to it (chunks it takes, with or without context,
+not shorter ones), a model's logits through it equal to SDPA's."""
 
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ pytestmark = pytest.mark.unit
 
 
 def _sdpa(q, k, v, scale):
+    """The reference: ``q`` ``[n, heads, dim]`` the last ``n`` of ``k``'s ``ctx`` positions."""
+    n, ctx = q.shape[0], k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       is_causal=True, enable_gqa=True, scale=scale)
-    return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+                                       attn_mask=mask, enable_gqa=True, scale=scale)
+    return o[0].transpose(0, 1).reshape(n, -1)
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +35,34 @@ def kernel():
 def test_the_causal_block_mask_reads_each_key_block_once_up_to_the_diagonal():
     mask = causal_block_mask(3 * BLOCK + 5)   # 4 blocks, the last partial
     dense = mask.to_dense()[0, 0]
-    assert dense.shape == (4, 4) and torch.equal(dense, torch.ones(4, 4).tril().to(dense.dtype))
+    assert torch.equal(dense, torch.ones(4, 4).tril().to(dense.dtype))
     assert mask.seq_lengths == (3 * BLOCK + 5, 3 * BLOCK + 5)
+    # 100 queries after 40 cached tokens: query block 0 (positions 40-103) reads key blocks 0-1,
+    # block 1 (104-139) blocks 0-2; only block 0 of keys lies wholly before position 104
+    mask = causal_block_mask(100, 140)
+    assert mask.to_dense()[0, 0].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert mask.full_kv_num_blocks.view(-1).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="cannot sit past"):
+        causal_block_mask(10, 9)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
-def test_the_kernel_equals_sdpa_at_every_length_from_one_graph(kernel, heads, kv_heads):
-    """Lengths on and off the block edges; scores scaled large (x3) so a key seen or hidden
-    wrongly moves the output; a scale other than the default."""
+def test_the_kernel_equals_sdpa_at_every_length_and_context_from_one_graph(kernel, heads, kv_heads):
+    """Chunk lengths on and off the block edges, after no context and after contexts on and off
+    them; scores scaled large (x3) so a key seen or hidden wrongly moves the output; a scale
+    other than the default. The first call is the models' warm-up's (`LlamaModel.warm_up`)."""
     from torch._dynamo.utils import counters
 
     g = torch.Generator().manual_seed(heads)
-    kernel(*(torch.randn(kernel.min_tokens, h, 16, generator=g) for h in (heads, kv_heads, kv_heads)), 0.3)
+    n0 = kernel.min_tokens
+    kernel(*(torch.randn(rows, h, 16, generator=g) for rows, h in ((n0, heads), (2 * n0, kv_heads), (2 * n0, kv_heads))), 0.3)
     compiled = counters["stats"]["unique_graphs"]
-    for n in (kernel.min_tokens, 200, 4 * BLOCK, 4 * BLOCK + 1, 517):
-        q, k, v = (torch.randn(n, h, 16, generator=g) * 3 for h in (heads, kv_heads, kv_heads))
+    for n, cached in ((n0, 0), (200, 0), (4 * BLOCK, 0), (4 * BLOCK + 1, 0), (517, 0),
+                      (n0, 16), (264, 16), (4 * BLOCK, 2 * BLOCK), (300, 701)):
+        q = torch.randn(n, heads, 16, generator=g) * 3
+        k, v = (torch.randn(cached + n, kv_heads, 16, generator=g) * 3 for _ in range(2))
         torch.testing.assert_close(kernel(q, k, v, 0.3), _sdpa(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == compiled   # no length built another graph
+    assert counters["stats"]["unique_graphs"] == compiled   # no length or context built another graph
 
 
 class _Calls(CompiledPrefill):
@@ -63,28 +77,30 @@ class _Calls(CompiledPrefill):
         return super().__call__(q, k, v, scale)
 
 
-def test_paged_attention_sends_whole_prompts_it_takes_and_nothing_else():
-    """A pass of three prompts (one too short for the kernel) and then a chunk with cached
-    context: only the long prompts with no context go through the kernel, and every row equals
-    the SDPA path's."""
+def test_paged_attention_sends_the_chunks_it_takes_and_nothing_else():
+    """A pass of three prompts (one too short for the kernel), then one of a chunk after cached
+    context in the pool, then one with a sliding window: only the long chunks outside a window go
+    through the kernel, and every row equals the SDPA path's."""
     kernel = _Calls()
     heads, kv_heads, dim, bs = 4, 2, 16, 16
     lens = (kernel.min_tokens + 10, kernel.min_tokens - 1, kernel.min_tokens + 70)
-    pool = torch.zeros(2, 64, kv_heads, bs, dim)
-    tables = [torch.arange(i * 20, i * 20 + 20) for i in range(3)]
-    batch = ForwardBatch.build([SeqChunk([1] * n, 0, t) for n, t in zip(lens, tables)], bs)
     g = torch.Generator().manual_seed(0)
-    t = sum(lens)
-    q, k, v = torch.randn(t, heads, dim, generator=g), torch.randn(t, kv_heads, dim, generator=g), torch.randn(
-        t, kv_heads, dim, generator=g)
-    want = paged_attention(q, k, v, pool[0], pool[1], batch, bs)
-    got = paged_attention(q, k, v, pool[0], pool[1], batch, bs, prefill_kernel=kernel)
+    pool = torch.randn(2, 64, kv_heads, bs, dim, generator=g)
+    tables = [torch.arange(i * 20, i * 20 + 20) for i in range(3)]
+
+    def both(n, batch, **kw):
+        q, k, v = (torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+        want = paged_attention(q, k, v, pool[0], pool[1], batch, bs, **kw)
+        got = paged_attention(q, k, v, pool[0], pool[1], batch, bs, prefill_kernel=kernel, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    both(sum(lens), ForwardBatch.build([SeqChunk([1] * n, 0, t) for n, t in zip(lens, tables)], bs))
     assert kernel.lengths == [lens[0], lens[2]]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    ctx = ForwardBatch.build([SeqChunk([1] * kernel.min_tokens, 40, tables[0])], bs)   # 40 tokens cached
-    paged_attention(q[:kernel.min_tokens], k[:kernel.min_tokens], v[:kernel.min_tokens], pool[0], pool[1], ctx, bs,
-                    prefill_kernel=kernel)
-    assert kernel.lengths == [lens[0], lens[2]]
+    n = kernel.min_tokens
+    both(n, ForwardBatch.build([SeqChunk([1] * n, 40, tables[0])], bs))   # 40 tokens cached
+    assert kernel.lengths == [lens[0], lens[2], n]
+    both(n, ForwardBatch.build([SeqChunk([1] * n, 40, tables[0])], bs), window=64)
+    assert kernel.lengths == [lens[0], lens[2], n]
 
 
 def test_a_models_prompt_logits_through_the_kernel_equal_sdpas():
