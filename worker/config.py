@@ -76,7 +76,7 @@ class WorkerConfig:
             attention: each group of sequences' K/V gathered, cast and attended by SDPA; prompts
             by SDPA), or "compiled" (decode workers: `engine.paged_decode.CompiledDecode`, the
             pool read through the block table by a ``torch.compile`` kernel; every worker: the
-            attention of prompts with no cached context through FlexAttention,
+            attention of prompt chunks (cached context too) through FlexAttention,
             `engine.flex_prefill.CompiledPrefill`; built at start-up with their time logged;
             needs a C++ compiler for inductor: refused to start without one), or "auto"
             (compiled where it builds, else grouped with a warning saying why; ``pdserve up``'s

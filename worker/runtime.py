@@ -138,7 +138,7 @@ class WorkerResources:
 def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     """A CPU worker's compiled attention kernels (``config.attention_backend`` "compiled" or
     "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
-    worker's attention of prompts with no cached context (`engine.flex_prefill.CompiledPrefill`;
+    worker's attention of prompt chunks (`engine.flex_prefill.CompiledPrefill`;
     a decode worker runs prompt passes when serving colocated). Each is built now, one graph per
     thread count a pass may run on (`_pass_thread_counts`), its time logged. When inductor
     cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming

@@ -147,8 +147,8 @@ class LlamaModel:
         """`engine.paged_decode.CompiledDecode` for the CPU decode attention (``--attention-backend
         compiled``, set by `worker.runtime`); None: the grouped path."""
         self.prefill_kernel = None
-        """`engine.flex_prefill.CompiledPrefill` for the CPU attention of prompts with no cached
-        context (``--attention-backend compiled``, set by `worker.runtime`); None: SDPA."""
+        """`engine.flex_prefill.CompiledPrefill` for the CPU attention of prompt chunks
+        (``--attention-backend compiled``, set by `worker.runtime`); None: SDPA."""
         if compiled:
             self._compile()
 
