@@ -341,7 +341,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for first, n, ctx, blocks in batch.seq_ranges:
         if n == 1 and batch.decode_rows is not None:
             continue   # done above
-        qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         windowed = window is not None and ctx > window
         if ctx == n:
             ks, vs = k[first:first + n], v[first:first + n]
@@ -350,6 +349,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if not windowed and softcap is None and prefill_kernel is not None and prefill_kernel.takes(n):
             out[first:first + n] = prefill_kernel(q[first:first + n], ks.to(q.dtype), vs.to(q.dtype), scale)
             continue
+        qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
         vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
         if ctx == n and not windowed and softcap is None:

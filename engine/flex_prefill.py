@@ -56,11 +56,12 @@ def causal_block_mask(n: int, ctx: int | None = None, device: torch.device | str
 class CompiledPrefill:
     """Causal attention of a prompt chunk's tokens to themselves and to the sequence's cached
     context before them through ``torch.compile(flex_attention, dynamic=True)``: one graph for
-    every chunk length and context (the context offset is a tensor the mask function reads). Built at its first call (inductor, seconds;
+    every chunk length and context (the context offset is a tensor the mask function reads), per
+    torch thread count (torch guards on it). Built at its first call (inductor, seconds;
     `engine.models.llama.LlamaModel.warm_up` makes that call at start-up, its time logged by the
     worker) and on disk in inductor's cache for the next start.
 
-    ``min_tokens``: prompts shorter than this go to SDPA instead (`engine.attention.paged_attention`
+    ``min_tokens``: chunks shorter than this go to SDPA instead (`engine.attention.paged_attention`
     asks `takes`): below it the compiled call's fixed cost ate the gain (measured:
     docs/PERFORMANCE.md, "Prefill attention through FlexAttention").
     """
@@ -76,7 +77,7 @@ class CompiledPrefill:
         self._flex = torch.compile(flex_attention, dynamic=True)
 
     def takes(self, n: int) -> bool:
-        """Whether a prompt of ``n`` tokens goes through this kernel."""
+        """Whether a prompt chunk of ``n`` tokens goes through this kernel."""
         return n >= self.min_tokens
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

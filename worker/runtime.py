@@ -139,26 +139,28 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     """A CPU worker's compiled attention kernels (``config.attention_backend`` "compiled" or
     "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
     worker's attention of prompt chunks (`engine.flex_prefill.CompiledPrefill`;
-    a decode worker runs prompt passes when serving colocated). Each is built now, one graph per
-    thread count a pass may run on (`_pass_thread_counts`), its time logged. When inductor
+    a decode worker runs prompt passes when serving colocated). Each is built now, its time
+    logged: the prompt kernel once per thread count a pass may run on (`_pass_thread_counts`),
+    first, and then the decode kernel once (it always runs on one thread; its warm-up's passes
+    find the prompt kernel built). When inductor
     cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming
     the cause) and "auto" logs a warning with the cause and keeps SDPA / the grouped path. CUDA
     pools (Triton), compiled layers (``--no-enforce-eager``) and "grouped" change nothing."""
     if config.attention_backend == "grouped" or config.device != "cpu" or not config.enforce_eager:
         return   # compiled layers attend through their own custom operator
-    kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA")]
-    if config.role == "decode":
-        kernels.insert(0, ("decode_kernel", CompiledDecode, "decode attention", "grouped"))
     threads, counts = torch.get_num_threads(), _pass_thread_counts(config)
+    kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", counts)]
+    if config.role == "decode":
+        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", [threads]))
     import torch._dynamo.config as dynamo_config
 
     # a graph per thread count: past dynamo's limit a kernel would run uncompiled (flex eagerly: slow)
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(counts) + 1)
-    for attr, kind, what, fallback in kernels:
+    for attr, kind, what, fallback, thread_counts in kernels:
         setattr(model, attr, kind())
         try:
             seconds = 0.0
-            for count in counts:
+            for count in thread_counts:
                 torch.set_num_threads(count)
                 seconds += model.warm_up(pool)
         except Exception as exc:   # inductor's own errors
