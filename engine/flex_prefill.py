@@ -67,6 +67,8 @@ class CompiledPrefill:
     """
 
     min_tokens = 192
+    MASKS = 64
+    """Block masks kept by `mask`."""
 
     def __init__(self) -> None:
         """Raises nothing; inductor's errors (no C++ compiler) come from the first call, which
@@ -75,6 +77,18 @@ class CompiledPrefill:
 
         configure_inductor()
         self._flex = torch.compile(flex_attention, dynamic=True)
+        self._masks: dict[tuple, object] = {}   # (n, ctx, device) -> BlockMask, for a pass's layers
+
+    def mask(self, n: int, ctx: int, device: torch.device):
+        """`causal_block_mask` (``n`` queries over ``ctx`` keys), built once for every layer of
+        a pass: up to `MASKS` of them are kept (a pass's chunks), all dropped past that."""
+        key = (n, ctx, str(device))
+        mask = self._masks.get(key)
+        if mask is None:
+            if len(self._masks) >= self.MASKS:
+                self._masks.clear()
+            mask = self._masks[key] = causal_block_mask(n, ctx, device)
+        return mask
 
     def takes(self, n: int) -> bool:
         """Whether a prompt chunk of ``n`` tokens goes through this kernel."""
@@ -95,7 +109,7 @@ class CompiledPrefill:
             ValueError: fewer keys than queries.
         """
         n = q.shape[0]
-        mask = causal_block_mask(n, k.shape[0], q.device)
+        mask = self.mask(n, k.shape[0], q.device)
         o = self._flex(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                        block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return o.squeeze(0).transpose(0, 1).reshape(n, -1)

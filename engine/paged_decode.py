@@ -81,9 +81,11 @@ class CompiledDecode:
     One graph serves every decode batch of one pool: the batch size and the block table's width
     are marked dynamic, and a batch of one row or a table of one column is padded to two (torch
     specializes sizes 0 and 1, which would build three more graphs). The graph is built for a
-    thread count and torch guards on it, so the kernel always runs on one thread (the calling
-    thread's count is set back afterwards). A new pool (its shape), dtype, window, scale or
-    soft-cap builds another graph. A model's ``warm_up`` builds it before the first request.
+    thread count and torch guards on it: the kernel runs on the calling pass's threads, one graph
+    per count (a worker builds one for each count its passes may take before the first request,
+    `worker.runtime`; a decode step of 64 rows on two threads against one: docs/PERFORMANCE.md,
+    "Decode attention on the pass's threads"). A new pool (its shape), dtype, window, scale or
+    soft-cap builds another graph. A model's ``warm_up`` builds it for the current count.
     Inductor compiles in the calling process (``compile_threads = 1``: no compile workers), and
     takes the CPU's vector instructions from torch's own detection (``cpp.vec_isa_ok``, unless
     ``TORCHINDUCTOR_VEC_ISA_OK`` says otherwise) instead of compiling and loading probe libraries
@@ -94,7 +96,10 @@ class CompiledDecode:
     cannot build CPU code (no C++ compiler); `worker.runtime` turns that into a refusal to start.
     """
 
-    def __init__(self, min_rows: int = 4):
+    min_rows = 4
+    """Default of ``min_rows`` (`__init__`)."""
+
+    def __init__(self, min_rows: int = min_rows):
         """``min_rows``: decode batches of fewer one-token sequences keep the grouped path, where
         this kernel's fixed cost per call (guards, padding) outweighs its gain (measured:
         docs/PERFORMANCE.md, "Decode attention through the block table")."""
@@ -114,12 +119,4 @@ class CompiledDecode:
         for t, dims in ((q, (0,)), (tables, (0, 1)), (lens, (0,))):
             for dim in dims:
                 torch._dynamo.mark_dynamic(t, dim)
-        threads = torch.get_num_threads()
-        if threads != 1:
-            torch.set_num_threads(1)
-        try:
-            out = self._fn(q, k_pool, v_pool, tables, lens, window, scale, softcap)
-        finally:
-            if threads != 1:
-                torch.set_num_threads(threads)
-        return out[:rows]
+        return self._fn(q, k_pool, v_pool, tables, lens, window, scale, softcap)[:rows]

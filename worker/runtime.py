@@ -139,28 +139,31 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     """A CPU worker's compiled attention kernels (``config.attention_backend`` "compiled" or
     "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
     worker's attention of prompt chunks (`engine.flex_prefill.CompiledPrefill`;
-    a decode worker runs prompt passes when serving colocated). Each is built now, its time
-    logged: the prompt kernel once per thread count a pass may run on (`_pass_thread_counts`),
-    first, and then the decode kernel once (it always runs on one thread; its warm-up's passes
-    find the prompt kernel built). When inductor
+    a decode worker runs prompt passes when serving colocated). Each is built now, alone (the
+    other detached during its warm-up), once per thread count a pass it serves may run on
+    (`_pass_thread_counts`), its time logged. When inductor
     cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming
     the cause) and "auto" logs a warning with the cause and keeps SDPA / the grouped path. CUDA
     pools (Triton), compiled layers (``--no-enforce-eager``) and "grouped" change nothing."""
     if config.attention_backend == "grouped" or config.device != "cpu" or not config.enforce_eager:
         return   # compiled layers attend through their own custom operator
-    threads, counts = torch.get_num_threads(), _pass_thread_counts(config)
-    kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", counts)]
+    threads = torch.get_num_threads()
+    kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", CompiledPrefill.min_tokens)]
     if config.role == "decode":
-        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", [threads]))
+        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", CompiledDecode.min_rows))
     import torch._dynamo.config as dynamo_config
 
     # a graph per thread count: past dynamo's limit a kernel would run uncompiled (flex eagerly: slow)
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(counts) + 1)
-    for attr, kind, what, fallback, thread_counts in kernels:
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit,
+                                        len(_pass_thread_counts(config, 1)) + 1)
+    for attr, kind, what, fallback, shortest in kernels:
+        others = {a: getattr(model, a) for a, *_ in kernels if a != attr}
         setattr(model, attr, kind())
+        for a in others:
+            setattr(model, a, None)
         try:
             seconds = 0.0
-            for count in thread_counts:
+            for count in _pass_thread_counts(config, shortest):
                 torch.set_num_threads(count)
                 seconds += model.warm_up(pool)
         except Exception as exc:   # inductor's own errors
@@ -174,17 +177,20 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
             continue
         finally:
             torch.set_num_threads(threads)
+            for a, kernel in others.items():
+                setattr(model, a, kernel)
         log.info("%s: compiled (%s.%s), built in %.1f s (inductor's cache: %s)", what, kind.__module__,
                  kind.__name__, seconds, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
 
 
-def _pass_thread_counts(config: WorkerConfig) -> list[int]:
-    """The torch thread counts a pass with a prompt the compiled prompt kernel takes may run on
-    (`engine.runner.ModelRunner`): ``threads``, plus one for each lent CPU it may borrow, and one
-    thread when such a pass can be under ``parallel_min_tokens``. Inductor's CPU graphs are built
-    for one thread count (torch guards on it), so that kernel is built for each."""
+def _pass_thread_counts(config: WorkerConfig, shortest: int) -> list[int]:
+    """The torch thread counts a pass that a compiled kernel serves may run on, the kernel
+    taking passes of ``shortest`` tokens and more (`engine.runner.ModelRunner`): ``threads``,
+    plus one for each lent CPU it may borrow, and one thread when such a pass can be under
+    ``parallel_min_tokens``. Inductor's CPU graphs are built for one thread count (torch guards
+    on it), so each kernel is built for each of its counts."""
     counts = {config.threads + borrowed for borrowed in range(len(config.lent_cpus()) + 1)}
-    if config.parallel_min_tokens > CompiledPrefill.min_tokens:
+    if config.parallel_min_tokens > shortest:
         counts.add(1)
     return sorted(counts)
 

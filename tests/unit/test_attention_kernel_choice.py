@@ -37,8 +37,8 @@ class _NoCompilerPrefill(CompiledPrefill):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found (injected)")
 
 
-class _Counting(CompiledPrefill):
-    """The real prompt kernel, recording the torch thread count of each call."""
+class _RecordsThreads:
+    """Mixed into a real kernel: records the torch thread count of each call."""
 
     def __init__(self):
         super().__init__()
@@ -47,6 +47,14 @@ class _Counting(CompiledPrefill):
     def __call__(self, *args, **kwargs):
         self.thread_counts.append(torch.get_num_threads())
         return super().__call__(*args, **kwargs)
+
+
+class _Counting(_RecordsThreads, CompiledPrefill):
+    """The real prompt kernel, recording thread counts."""
+
+
+class _CountingDecode(_RecordsThreads, CompiledDecode):
+    """The real decode kernel, recording thread counts."""
 
 
 @pytest.fixture()
@@ -68,21 +76,34 @@ def test_auto_and_compiled_build_the_kernels_and_grouped_does_not(model_and_pool
     assert pool.allocator.num_free == pool.allocator.num_blocks   # the warm-up gave its blocks back
 
 
-def test_the_prompt_kernel_is_built_for_each_thread_count_a_pass_may_take(model_and_pool, monkeypatch):
+def test_each_kernel_is_built_alone_for_each_thread_count_its_passes_may_take(model_and_pool, monkeypatch):
     """A worker with one thread that may borrow one lent CPU runs prompt passes on one or two
-    threads: the kernel is called (built) at both; more lent CPUs, more counts; a second
+    threads: the prompt kernel is called (built) at both; more lent CPUs, more counts; a second
     thread for long passes only (``parallel_min_tokens`` above the kernel's shortest prompt)
-    adds one thread."""
+    adds one thread. A decode worker of two threads runs decode steps under
+    ``parallel_min_tokens`` rows on one thread and longer ones on two: its decode kernel is
+    built at both, and neither kernel's warm-up calls the other."""
     model, pool = model_and_pool
     monkeypatch.setattr("worker.runtime.CompiledPrefill", _Counting)
+    monkeypatch.setattr("worker.runtime.CompiledDecode", _CountingDecode)
     before = torch.get_num_threads()
     config = WorkerConfig(role="prefill", attention_backend="compiled", cpu_board="/tmp/board", borrow_cpus="1")
     _set_attention_kernels(config, model, pool)
-    assert model.prefill_kernel.thread_counts == [1, 2]
+    assert model.prefill_kernel.thread_counts == [1, 2] and model.decode_kernel is None
     assert torch.get_num_threads() == before
-    assert _pass_thread_counts(WorkerConfig(role="prefill", borrow_cpus="2,3", cpu_board="/tmp/board")) == [1, 2, 3]
-    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2)) == [2]
-    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1024)) == [1, 2]
+    model.prefill_kernel = None
+    _set_attention_kernels(WorkerConfig(role="decode", attention_backend="compiled", threads=2), model, pool)
+    assert model.prefill_kernel.thread_counts == [2]
+    assert sorted(set(model.decode_kernel.thread_counts)) == [1, 2]   # once a layer
+    assert torch.get_num_threads() == before
+    shortest = CompiledPrefill.min_tokens
+    assert _pass_thread_counts(WorkerConfig(role="prefill", borrow_cpus="2,3", cpu_board="/tmp/board"),
+                               shortest) == [1, 2, 3]
+    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2), shortest) == [2]
+    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1024), shortest) == [1, 2]
+    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2), CompiledDecode.min_rows) == [1, 2]
+    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=0),
+                               CompiledDecode.min_rows) == [2]
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])

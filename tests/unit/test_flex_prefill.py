@@ -46,6 +46,20 @@ def test_the_causal_block_mask_reads_each_key_block_once_up_to_the_diagonal():
         causal_block_mask(10, 9)
 
 
+def test_a_kernel_builds_each_mask_once_for_a_pass_and_keeps_a_bounded_number(kernel, monkeypatch):
+    """Every layer of a pass attends the same chunks: their masks are built at the first layer
+    only; past `CompiledPrefill.MASKS` shapes the kept ones are dropped, not grown without end."""
+    kernel._masks.clear()
+    first = kernel.mask(300, 316, torch.device("cpu"))
+    assert kernel.mask(300, 316, torch.device("cpu")) is first
+    assert kernel.mask(300, 300, torch.device("cpu")) is not first
+    monkeypatch.setattr(CompiledPrefill, "MASKS", 3)
+    for n in range(200, 206):
+        kernel.mask(n, n, torch.device("cpu"))
+    assert 1 <= len(kernel._masks) <= 3
+    assert torch.equal(kernel.mask(300, 316, torch.device("cpu")).to_dense(), first.to_dense())   # rebuilt alike
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
 def test_the_kernel_equals_sdpa_at_every_length_and_context_from_one_graph(kernel, heads, kv_heads):
     """Chunk lengths on and off the block edges, after no context and after contexts on and off
