@@ -56,10 +56,10 @@ def causal_block_mask(n: int, ctx: int | None = None, device: torch.device | str
 class CompiledPrefill:
     """Causal attention of a prompt chunk's tokens to themselves and to the sequence's cached
     context before them through ``torch.compile(flex_attention, dynamic=True)``: one graph for
-    every chunk length and context (the context offset is a tensor the mask function reads), per
-    torch thread count (torch guards on it). Built at its first call (inductor, seconds;
-    `engine.models.llama.LlamaModel.warm_up` makes that call at start-up, its time logged by the
-    worker) and on disk in inductor's cache for the next start.
+    every chunk length, context and operand layout (the context offset is a tensor the mask
+    function reads; operands are copied head-major), per torch thread count (torch guards on it).
+    Built by `warm_up` (inductor, seconds; `engine.models.llama.LlamaModel.warm_up` calls it at
+    start-up, its time logged by the worker) and on disk in inductor's cache for the next start.
 
     ``min_tokens``: chunks shorter than this go to SDPA instead (`engine.attention.paged_attention`
     asks `takes`): below it the compiled call's fixed cost ate the gain (measured:
@@ -90,6 +90,18 @@ class CompiledPrefill:
             mask = self._masks[key] = causal_block_mask(n, ctx, device)
         return mask
 
+    def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu", scale: float | None = None) -> None:
+        """Build the graph(s) before the first prompt, on the current thread count, under
+        ``torch.inference_mode`` as a model's forward runs: two calls on random rows, the
+        shortest chunk taken after as much context, then one of other block counts (the first
+        graph holds the block mask's counts fixed; the second, built when they change, takes them
+        as dynamic: built here, not at a served prompt)."""
+        with torch.inference_mode():
+            for n, ctx in ((self.min_tokens, 2 * self.min_tokens), (self.min_tokens + 2 * BLOCK, 704)):
+                self(torch.randn(n, heads, head_dim, dtype=dtype, device=device),
+                     *(torch.randn(ctx, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2)), scale)
+
     def takes(self, n: int) -> bool:
         """Whether a prompt chunk of ``n`` tokens goes through this kernel."""
         return n >= self.min_tokens
@@ -108,8 +120,15 @@ class CompiledPrefill:
         Raises:
             ValueError: fewer keys than queries.
         """
-        n = q.shape[0]
-        mask = self.mask(n, k.shape[0], q.device)
-        o = self._flex(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                       block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        return o.squeeze(0).transpose(0, 1).reshape(n, -1)
+        (n, heads, dim), ctx = q.shape, k.shape[0]
+        if ctx < n:
+            raise ValueError(f"{n} queries cannot sit past {ctx} keys")
+        # queries from the start of the key block holding the first: the mask's query blocks then
+        # line up with its key blocks, one partial block each (the rows before are computed and
+        # dropped); every operand contiguous, head-major, whatever layout it came in: one graph
+        pad = (ctx - n) % BLOCK
+        qt = q.new_zeros(1, heads, pad + n, dim)
+        qt[0, :, pad:] = q.transpose(0, 1)
+        o = self._flex(qt, *(t.transpose(0, 1).unsqueeze(0).contiguous() for t in (k, v)),
+                       block_mask=self.mask(pad + n, ctx, q.device), scale=scale, enable_gqa=heads != k.shape[1])
+        return o[0, :, pad:].transpose(0, 1).reshape(n, -1)

@@ -83,8 +83,8 @@ class CompiledDecode:
     specializes sizes 0 and 1, which would build three more graphs). The graph is built for a
     thread count and torch guards on it: the kernel runs on the calling pass's threads, one graph
     per count (a worker builds one for each count its passes may take before the first request,
-    `worker.runtime`; a decode step of 64 rows on two threads against one: docs/PERFORMANCE.md,
-    "Decode attention on the pass's threads"). A new pool (its shape), dtype, window, scale or
+    `worker.runtime`; measured: docs/PERFORMANCE.md, "Decode attention on the pass's threads,
+    and where a served core goes"). A new pool (its shape), dtype, window, scale or
     soft-cap builds another graph. A model's ``warm_up`` builds it for the current count.
     Inductor compiles in the calling process (``compile_threads = 1``: no compile workers), and
     takes the CPU's vector instructions from torch's own detection (``cpp.vec_isa_ok``, unless

@@ -153,9 +153,10 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
         kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", CompiledDecode.min_rows))
     import torch._dynamo.config as dynamo_config
 
-    # a graph per thread count: past dynamo's limit a kernel would run uncompiled (flex eagerly: slow)
+    # up to two graphs per thread count (`CompiledPrefill.warm_up`): past dynamo's limit a kernel
+    # would run uncompiled (flex eagerly: slow)
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit,
-                                        len(_pass_thread_counts(config, 1)) + 1)
+                                        2 * len(_pass_thread_counts(config, 1)) + 1)
     for attr, kind, what, fallback, shortest in kernels:
         others = {a: getattr(model, a) for a, *_ in kernels if a != attr}
         setattr(model, attr, kind())

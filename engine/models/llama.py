@@ -272,19 +272,16 @@ class LlamaModel:
         sequences) over two blocks of ``pool`` taken and given back. Returns the seconds it took
         (0.0 when nothing is compiled). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its graph
         too, by a decode pass of as many sequences as it takes (its ``min_rows``); with a
-        `prefill_kernel` (`engine.flex_prefill.CompiledPrefill`), its graph, by a call on random
-        rows of this model's head shapes: the shortest chunk it takes, after as much context. Raises ValueError
+        `prefill_kernel` (`engine.flex_prefill.CompiledPrefill`), its graphs (its ``warm_up``, on
+        this model's head shapes). Raises ValueError
         when ``pool`` has fewer than two free blocks."""
         if self._compiled_layers is None and self.decode_kernel is None and self.prefill_kernel is None:
             return 0.0
         t0 = time.perf_counter()
-        if self.prefill_kernel is not None:   # under inference_mode as `forward` (torch guards on it)
-            c, n = self._local, self.prefill_kernel.min_tokens
-            # keys past a context unlike the queries' length: the first graph must not take them as equal
-            with torch.inference_mode():
-                self.prefill_kernel(*(torch.randn(rows, heads, c.head_dim, dtype=self.attn_dtype, device=self.device)
-                                      for rows, heads in ((n, c.num_heads), (2 * n, c.num_kv_heads),
-                                                          (2 * n, c.num_kv_heads))), self.config.attn_scale)
+        if self.prefill_kernel is not None:
+            c = self._local
+            self.prefill_kernel.warm_up(c.num_heads, c.num_kv_heads, c.head_dim, self.attn_dtype, self.device,
+                                        self.config.attn_scale)
         if self._compiled_layers is None and self.decode_kernel is None:
             return time.perf_counter() - t0
         bs = pool.block_size

@@ -89,11 +89,11 @@ def test_each_kernel_is_built_alone_for_each_thread_count_its_passes_may_take(mo
     before = torch.get_num_threads()
     config = WorkerConfig(role="prefill", attention_backend="compiled", cpu_board="/tmp/board", borrow_cpus="1")
     _set_attention_kernels(config, model, pool)
-    assert model.prefill_kernel.thread_counts == [1, 2] and model.decode_kernel is None
+    assert model.prefill_kernel.thread_counts == [1, 1, 2, 2] and model.decode_kernel is None   # 2 a count
     assert torch.get_num_threads() == before
     model.prefill_kernel = None
     _set_attention_kernels(WorkerConfig(role="decode", attention_backend="compiled", threads=2), model, pool)
-    assert model.prefill_kernel.thread_counts == [2]
+    assert model.prefill_kernel.thread_counts == [2, 2]
     assert sorted(set(model.decode_kernel.thread_counts)) == [1, 2]   # once a layer
     assert torch.get_num_threads() == before
     shortest = CompiledPrefill.min_tokens
