@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     ap = arg_parser("bench.threads", __doc__)
     ap.add_argument("--weights", default="native")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--parallel-min-tokens", type=int, default=64)
+    ap.add_argument("--parallel-min-tokens", type=int, default=8)
     ap.add_argument("--compiled", action="store_true",
                     help="also the compiled layers (engine.compiled) on 1 and 2 threads, and their build time")
     ap.add_argument("--tp", type=int, default=0, help="also the model at this tensor parallel size, one thread per rank")

@@ -82,9 +82,12 @@ class WorkerConfig:
             (compiled where it builds, else grouped with a warning saying why; ``pdserve up``'s
             default). CUDA pools (Triton) ignore it.
         parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
-            thread (a decode step's small operators gain nothing from a second thread and wait
-            at each operator's barrier for a thread another process took off a shared core),
-            longer ones on all ``threads`` (`engine.runner.ModelRunner`); 0: every pass on all.
+            thread (a pass of a few rows gains little from a second thread and waits at each
+            operator's barrier for a thread another process took off a shared core), longer
+            ones, decode steps of 8 rows and more included, on all ``threads``
+            (`engine.runner.ModelRunner`); 0: every pass on all (measured: docs/PERFORMANCE.md,
+            "Threads per pass" and "Decode attention on the pass's threads, and where a served
+            core goes").
         cpu_board / borrow_cpus: lending idle CPUs between the workers of one host
             (`worker.cpu_board`): the board file the launcher made, and the CPUs ("1,3") this
             worker may add a thread on for a pass of at least ``parallel_min_tokens`` tokens while
@@ -132,7 +135,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     attention_backend: str = "grouped"
-    parallel_min_tokens: int = 64
+    parallel_min_tokens: int = 8
     cpu_board: str = ""
     borrow_cpus: str = ""
     transfer_engine: str = "auto"
