@@ -40,6 +40,7 @@ from engine.config import CacheConfig
 from engine.kv_cache import KVPool
 from engine.loader import load_model, make_pool
 from engine.runner import ModelRunner
+from worker.config import WorkerConfig
 
 CONTEXT = 256
 BS = 16
@@ -91,7 +92,8 @@ def main(argv=None) -> dict:
     ap = arg_parser("bench.threads", __doc__)
     ap.add_argument("--weights", default="native")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--parallel-min-tokens", type=int, default=8)
+    ap.add_argument("--parallel-min-tokens", type=int, default=WorkerConfig.parallel_min_tokens,
+                    help="default: a worker's")
     ap.add_argument("--compiled", action="store_true",
                     help="also the compiled layers (engine.compiled) on 1 and 2 threads, and their build time")
     ap.add_argument("--tp", type=int, default=0, help="also the model at this tensor parallel size, one thread per rank")

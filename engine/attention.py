@@ -347,7 +347,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             ks, vs = _gather(k_pool, blocks, block_size, ctx), _gather(v_pool, blocks, block_size, ctx)
         if not windowed and softcap is None and prefill_kernel is not None and prefill_kernel.takes(n):
-            out[first:first + n] = prefill_kernel(q[first:first + n], ks.to(q.dtype), vs.to(q.dtype), scale)
+            out[first:first + n] = prefill_kernel(q[first:first + n], ks, vs, scale)   # it casts K/V
             continue
         qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)

@@ -111,7 +111,8 @@ class CompiledPrefill:
 
         Args:
             q: ``[n, num_heads, head_dim]``; k, v: ``[ctx, num_kv_heads, head_dim]``, ``ctx >= n``
-                (the cached context's K/V, then the chunk's), ``q``'s dtype (float32 on the CPU),
+                (the cached context's K/V, then the chunk's; any float dtype, cast to ``q``'s as
+                they are copied head-major), ``q`` float32 on the CPU,
                 ``num_heads`` a multiple of ``num_kv_heads`` (query head ``h`` reads KV head
                 ``h // (num_heads / num_kv_heads)``, Hugging Face's ``repeat_kv``).
             scale: the scores' scale; None: ``head_dim ** -0.5``.
@@ -129,6 +130,7 @@ class CompiledPrefill:
         pad = (ctx - n) % BLOCK
         qt = q.new_zeros(1, heads, pad + n, dim)
         qt[0, :, pad:] = q.transpose(0, 1)
-        o = self._flex(qt, *(t.transpose(0, 1).unsqueeze(0).contiguous() for t in (k, v)),
-                       block_mask=self.mask(pad + n, ctx, q.device), scale=scale, enable_gqa=heads != k.shape[1])
+        kt, vt = (q.new_empty(1, t.shape[1], ctx, dim).copy_(t.transpose(0, 1)) for t in (k, v))   # cast too
+        o = self._flex(qt, kt, vt, block_mask=self.mask(pad + n, ctx, q.device), scale=scale,
+                       enable_gqa=heads != k.shape[1])
         return o[0, :, pad:].transpose(0, 1).reshape(n, -1)
