@@ -80,8 +80,9 @@ class CompiledPrefill:
         self._masks: dict[tuple, object] = {}   # (n, ctx, device) -> BlockMask, for a pass's layers
 
     def mask(self, n: int, ctx: int, device: torch.device):
-        """`causal_block_mask` (``n`` queries over ``ctx`` keys), built once for every layer of
-        a pass: up to `MASKS` of them are kept (a pass's chunks), all dropped past that."""
+        """`causal_block_mask` (``n`` queries over ``ctx`` keys, both in tokens), built once for
+        every layer of a pass: up to `MASKS` of them are kept (a pass's chunks), all dropped past
+        that. Raises ValueError when ``ctx < n``."""
         key = (n, ctx, str(device))
         mask = self._masks.get(key)
         if mask is None:
@@ -92,7 +93,9 @@ class CompiledPrefill:
 
     def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu", scale: float | None = None) -> None:
-        """Build the graph(s) before the first prompt, on the current thread count, under
+        """Build the graph(s) for query tensors ``[n, heads, head_dim]`` and K/V ``[ctx,
+        kv_heads, head_dim]`` of ``dtype`` on ``device`` (``scale`` as `__call__`'s) before the
+        first prompt, on the current thread count, under
         ``torch.inference_mode`` as a model's forward runs: two calls on random rows, the
         shortest chunk taken after as much context, then one of other block counts (the first
         graph holds the block mask's counts fixed; the second, built when they change, takes them
