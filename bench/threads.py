@@ -1,11 +1,14 @@
 """Forward-pass time per phase and batch size on 1 and 2 torch threads, alone and beside a busy
 neighbour, and with threads chosen per pass (`engine.runner.ModelRunner`'s ``parallel_min_tokens``).
 
-    python -m bench.threads [--weights native] [--reps 7] [--compiled] [--tp N] [--json PATH]
+    python -m bench.threads [--weights native] [--attention-backend auto|grouped] [--reps 7]
+                            [--compiled] [--tp N] [--json PATH]
 
 Each row times one kind of pass of the default model through a `ModelRunner` (median of
 ``--reps``, after a warm-up): a prefill chunk of 256 prompt tokens, and decode steps of 1, 8 and
-32 sequences with 256-token contexts. Columns, side by side in one run:
+32 sequences with 256-token contexts, through the attention kernels a CPU worker runs
+(``--attention-backend auto``, built before the timing for 1 and 2 threads: `use_worker_kernels`)
+or SDPA over gathered K/V (``grouped``). Columns, side by side in one run:
 
 - ``1t``: one thread;
 - ``2t``: two threads, the machine otherwise idle;
@@ -37,8 +40,10 @@ import torch
 from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
+from engine.flex_prefill import CompiledPrefill
 from engine.kv_cache import KVPool
 from engine.loader import load_model, make_pool
+from engine.paged_decode import CompiledDecode
 from engine.runner import ModelRunner
 from worker.config import WorkerConfig
 
@@ -82,6 +87,30 @@ def time_passes(runner: ModelRunner, pool: KVPool, reps: int, context: int = CON
     return out
 
 
+def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2)) -> float:
+    """Give ``model`` the compiled attention kernels a CPU decode worker runs by default
+    (``--attention-backend auto``: `CompiledDecode` for decode rows, `CompiledPrefill` for prompt
+    chunks), each built alone for every torch thread count in ``counts`` as `worker.runtime` does;
+    returns the seconds the builds took. Raises inductor's errors where it cannot build here."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(counts) + 1)
+    threads, seconds = torch.get_num_threads(), 0.0
+    try:
+        for attr, other, kind in (("decode_kernel", "prefill_kernel", CompiledDecode),
+                                  ("prefill_kernel", "decode_kernel", CompiledPrefill)):
+            kept = getattr(model, other)
+            setattr(model, attr, kind())
+            setattr(model, other, None)   # each kernel warmed alone
+            for count in counts:
+                torch.set_num_threads(count)
+                seconds += model.warm_up(pool)
+            setattr(model, other, kept)
+    finally:
+        torch.set_num_threads(threads)
+    return seconds
+
+
 def _run(runner: ModelRunner, pool: KVPool, chunks: list[SeqChunk]) -> None:
     batch = ForwardBatch.build(chunks, pool.block_size)
     runner.set_pass_threads(batch.input_ids.numel())
@@ -97,6 +126,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--compiled", action="store_true",
                     help="also the compiled layers (engine.compiled) on 1 and 2 threads, and their build time")
     ap.add_argument("--tp", type=int, default=0, help="also the model at this tensor parallel size, one thread per rank")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "grouped"],
+                    help="auto (default): the compiled attention kernels a CPU worker runs; grouped: "
+                         "SDPA over gathered K/V")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
@@ -106,6 +138,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(2)
     loaded = load_model(None, weights=args.weights)
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=32 * 20, dtype=loaded.kv_dtype))
+    if args.attention_backend == "auto":
+        print(f"attention kernels built in {use_worker_kernels(loaded.model, pool):.1f} s", flush=True)
     columns = {}
 
     def run(name, threads, per_pass=0, busy=False, pin=None, model=None, kv=None):
@@ -144,12 +178,13 @@ def main(argv=None) -> dict:
         run("compiled 1t", 1, model=compiled)
         run("compiled 2t", 2, model=compiled)
     rows = list(columns["1t"])
-    print(f"weights {args.weights}; ms per pass (median of {args.reps}); torch {torch.__version__}")
+    print(f"weights {args.weights}, attention {args.attention_backend}; ms per pass (median of {args.reps}); torch {torch.__version__}")
     print("| pass | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for r in rows:
         print(f"| {r} | " + " | ".join(f"{columns[c][r] * 1e3:.1f}" for c in columns) + " |")
     result = {"weights": args.weights, "reps": args.reps, "parallel_min_tokens": args.parallel_min_tokens,
+              "attention_backend": args.attention_backend,
               "compiled_build_s": build_s, "seconds": columns}
     if args.json:
         write_json(args.json, result, args)

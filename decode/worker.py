@@ -55,7 +55,7 @@ from engine.errors import CapacityError, InvalidRequestError, TensorParallelErro
 from engine.ids import BlockId
 from engine.generator import Generator, StepOutput
 from engine.grammar import Grammars, matcher_for
-from engine.kv_cache import blocks_needed
+from engine.kv_cache import GROWTH_GAP_BLOCKS, blocks_needed
 from engine.sampling import SamplingParams
 from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason
@@ -173,7 +173,7 @@ class DecodeWorker:
                 raise DrainingError("decode worker is draining")
             if request_id in self._reservations:
                 raise InvalidRequestError(f"request {request_id!r} is already reserved")
-            taken = alloc.allocate_after_prefix(hashes, need)
+            taken = alloc.allocate_after_prefix(hashes, need, gap=GROWTH_GAP_BLOCKS)
             if taken is None:
                 raise CapacityError(f"KV pool full: {need} blocks requested (less any cached), "
                                     f"{alloc.num_free} of {alloc.num_blocks} free")

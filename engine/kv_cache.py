@@ -30,7 +30,7 @@ the changes since the last call, or a snapshot of every cached hash.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Iterable, Sequence
 
 import torch
@@ -38,6 +38,10 @@ import torch
 from engine.config import CacheConfig, ModelConfig
 from engine.errors import CapacityError
 from engine.ids import BlockId
+
+# Blocks left free after a sequence's new run for it to grow into (`BlockAllocator.try_allocate`):
+# 8 blocks of 16 tokens hold 128 generated tokens before a row's blocks stop being consecutive.
+GROWTH_GAP_BLOCKS = 8
 
 
 class BlockAllocator:
@@ -52,7 +56,9 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free_map = bytearray(b"\x01") * num_blocks   # 1: free and holding no cached prefix
+        self._num_free = num_blocks
+        self._rover = 0   # where the next search for a run starts (next fit)
         self._refs = [0] * num_blocks
         self._lock = threading.Lock()
         self._cached: OrderedDict[int, bytes] = OrderedDict()   # unreferenced registered blocks (LRU)
@@ -69,7 +75,7 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take: never-registered ones plus cached (evictable) ones."""
-        return len(self._free) + len(self._cached)
+        return self._num_free + len(self._cached)
 
     @property
     def num_cached(self) -> int:
@@ -88,33 +94,82 @@ class BlockAllocator:
         blocks = self.try_allocate(n)
         if blocks is None:
             raise CapacityError(
-                f"KV pool full: {n} blocks requested, {len(self._free)} of {self.num_blocks} free")
+                f"KV pool full: {n} blocks requested, {self.num_free} of {self.num_blocks} free")
         return blocks
 
-    def try_allocate(self, n: int) -> list[BlockId] | None:
-        """Take ``n`` free blocks (reference count 1), or None when fewer are free (nothing taken)."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} blocks")
+    def try_allocate(self, n: int, after: BlockId | None = None, gap: int = 0) -> list[BlockId] | None:
+        """Take ``n`` free blocks (reference count 1), or None when fewer are free (nothing taken).
+
+        Placement (the blocks' ids are addresses in the pool, so placement decides how the decode
+        attention kernel walks memory: a row's blocks at consecutive ids are one stream per KV
+        head, read faster than blocks scattered over the pool; docs/PERFORMANCE.md, "Decode
+        attention reads the pool from memory"):
+
+        1. with ``after`` (a block the caller holds, the last of its block table), the free blocks
+           right after it, while they are free;
+        2. the rest as one run of consecutive free blocks that has ``gap`` more free blocks after
+           it, left free for the sequence to grow into (next fit from where the last run ended);
+           then a run without the gap;
+        3. otherwise free blocks one by one in address order, and last the least recently used
+           cached blocks (evicting their prefixes).
+
+        A gap is not a reservation: step 3 hands its blocks to anyone once no run is free, so
+        placement never makes an allocation fail.
+
+        Raises:
+            ValueError: ``n`` or ``gap`` negative.
+        """
+        if n < 0 or gap < 0:
+            raise ValueError(f"cannot allocate {n} blocks with a gap of {gap}")
         with self._lock:
-            if n > len(self._free) + len(self._cached):
+            if n > self._num_free + len(self._cached):
                 return None
-            blocks = []
-            for _ in range(n):
-                if self._free:
-                    blocks.append(self._free.popleft())
-                else:   # evict the least recently used cached block
-                    b, h = self._cached.popitem(last=False)
-                    del self._by_hash[h], self._hash_of[b]
-                    self.stats["cache_evictions"] += 1
-                    self._event(h, False)
+            blocks: list[int] = []
+            free_map = self._free_map
+            if after is not None:
+                b = after + 1
+                while len(blocks) < n and b < self.num_blocks and free_map[b]:
                     blocks.append(b)
+                    b += 1
+            rest = n - len(blocks)
+            if rest and rest <= self._num_free:
+                start = self._find_run(rest + gap) if gap else -1
+                if start < 0:
+                    start = self._find_run(rest)
+                if start >= 0:
+                    blocks.extend(range(start, start + rest))
+                    self._rover = start + rest + gap
+            for b in blocks:
+                free_map[b] = 0
+            self._num_free -= len(blocks)
+            pos = 0
+            while len(blocks) < n and self._num_free:
+                pos = free_map.find(1, pos)
+                free_map[pos] = 0
+                self._num_free -= 1
+                blocks.append(pos)
+            while len(blocks) < n:   # evict the least recently used cached block
+                b, h = self._cached.popitem(last=False)
+                del self._by_hash[h], self._hash_of[b]
+                self.stats["cache_evictions"] += 1
+                self._event(h, False)
+                blocks.append(b)
             for b in blocks:
                 self._refs[b] = 1
             self._note_peak()
         return [BlockId(b) for b in blocks]
 
+    def _find_run(self, length: int) -> int:   # with the lock held
+        """The first block of ``length`` consecutive free blocks at or after the rover (wrapping
+        around), or -1."""
+        run = b"\x01" * length
+        start = self._free_map.find(run, self._rover)
+        if start < 0:
+            start = self._free_map.find(run, 0, self._rover + length - 1)
+        return start
+
     def _note_peak(self) -> None:   # with the lock held
-        used = self.num_blocks - len(self._free) - len(self._cached)
+        used = self.num_blocks - self._num_free - len(self._cached)
         if used > self.stats["peak_used_blocks"]:
             self.stats["peak_used_blocks"] = used
 
@@ -137,7 +192,8 @@ class BlockAllocator:
                     if b in self._hash_of:
                         self._cached[b] = self._hash_of[b]
                     else:
-                        self._free.append(b)
+                        self._free_map[b] = 1
+                        self._num_free += 1
 
     def ref_count(self, block: BlockId) -> int:
         return self._refs[block]
@@ -153,16 +209,18 @@ class BlockAllocator:
                 self._hash_of[block] = block_hash
                 self._event(block_hash, True)
 
-    def allocate_after_prefix(self, hashes: Sequence[bytes], n: int) -> tuple[list[BlockId], int] | None:
+    def allocate_after_prefix(self, hashes: Sequence[bytes], n: int,
+                              gap: int = 0) -> tuple[list[BlockId], int] | None:
         """``n`` blocks for a sequence: the cached blocks of the longest cached prefix of
-        ``hashes`` (`lookup`), then fresh ones (`try_allocate`). Returns ``(blocks, hits)``,
+        ``hashes`` (`lookup`), then fresh ones (`try_allocate`, a run with ``gap`` free blocks
+        after it where the pool has one). Returns ``(blocks, hits)``,
         the ``hits`` cached ones first, or None when the pool cannot hold the rest now
         (nothing taken). Raises `ValueError` when the prefix is longer than ``n`` blocks."""
         hit = self.lookup(hashes) if hashes else []
         if len(hit) > n:
             self.free(hit)
             raise ValueError(f"a cached prefix of {len(hit)} blocks does not fit in {n}")
-        rest = self.try_allocate(n - len(hit))
+        rest = self.try_allocate(n - len(hit), gap=gap)
         if rest is None:
             self.free(hit)
             return None

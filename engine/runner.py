@@ -32,7 +32,7 @@ from engine.attention import ForwardBatch, SeqChunk
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.ids import BlockId
 from engine.block_hash import block_hashes
-from engine.kv_cache import KVPool, blocks_needed
+from engine.kv_cache import GROWTH_GAP_BLOCKS, KVPool, blocks_needed
 from engine.models.base import CausalLM, LayerCallback
 from engine.models.rope import LENGTH_DEPENDENT
 from engine.sampling import (SampleRow, SamplingError, SamplingParams, TokenLogprobs, compute_logprobs,
@@ -223,11 +223,18 @@ class ModelRunner:
 
     def grow(self, seq: RunnerSeq, num_tokens: int) -> bool:
         """Make ``seq.block_table`` cover ``num_tokens`` positions; False (nothing taken) when
-        the pool cannot give the missing blocks now."""
-        extra = blocks_needed(num_tokens, self.pool.block_size) - len(seq.block_table)
+        the pool cannot give the missing blocks now. The new blocks follow the table's last block
+        where free, else start a run with room for the sequence to grow into (up to
+        `GROWTH_GAP_BLOCKS` blocks, as far as ``max_tokens`` lets it grow): see
+        `BlockAllocator.try_allocate`."""
+        bs = self.pool.block_size
+        extra = blocks_needed(num_tokens, bs) - len(seq.block_table)
         if extra <= 0:
             return True
-        blocks = self.pool.allocator.try_allocate(extra)
+        final = len(seq.prompt_token_ids) + seq.params.max_tokens   # the most it can grow to
+        gap = min(max(blocks_needed(final, bs) - blocks_needed(num_tokens, bs), 0), GROWTH_GAP_BLOCKS)
+        blocks = self.pool.allocator.try_allocate(
+            extra, after=seq.block_table[-1] if seq.block_table else None, gap=gap)
         if blocks is None:
             return False
         seq.block_table.extend(blocks)

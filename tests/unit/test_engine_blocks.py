@@ -50,6 +50,35 @@ def test_over_allocation_raises_and_takes_nothing():
     assert a.num_free == 1
 
 
+def test_a_run_leaves_its_gap_free_and_growth_takes_the_blocks_after_it():
+    a = BlockAllocator(32)
+    first = a.try_allocate(4, gap=3)
+    second = a.try_allocate(4, gap=3)
+    assert first == [0, 1, 2, 3] and second == [7, 8, 9, 10]   # 4..6: the first one's gap
+    assert a.try_allocate(2, after=first[-1]) == [4, 5]          # growth runs on, not scattered
+    assert a.try_allocate(2, after=5) == [6, 14]                 # past the gap: the next run
+    assert a.try_allocate(1, after=second[-1]) == [11]
+
+
+def test_a_gap_is_not_a_reservation_and_placement_never_fails_an_allocation():
+    a = BlockAllocator(12)
+    runs = [a.try_allocate(2, gap=2) for _ in range(3)]          # 0-1, 4-5, 8-9: gaps at 2-3, 6-7, 10-11
+    assert runs == [[0, 1], [4, 5], [8, 9]]
+    assert a.try_allocate(3, gap=2) == [2, 3, 6]                 # no run of 3: free blocks by address
+    assert a.try_allocate(3) == [7, 10, 11] and a.num_free == 0
+    assert a.try_allocate(1) is None
+
+
+def test_plain_free_blocks_go_before_cached_ones_and_freed_blocks_are_reused():
+    a = BlockAllocator(6)
+    blocks = a.allocate(6)
+    a.register(blocks[0], b"h0")
+    a.free(blocks[:3])                                           # 0 cached, 1 and 2 plain free
+    assert a.num_free == 3 and a.num_cached == 1
+    assert a.try_allocate(3, gap=4) == [1, 2, 0] and a.stats["cache_evictions"] == 1
+    assert a.lookup([b"h0"]) == []
+
+
 def test_double_free_is_an_error():
     a = BlockAllocator(2)
     b = a.allocate(1)

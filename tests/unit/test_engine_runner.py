@@ -145,6 +145,21 @@ def test_grow_is_all_or_nothing_and_reset_and_release_give_every_block_back(mode
         runner.take_cached_prefix(_Seq([1, 2], block_table=[0]))
 
 
+def test_rows_growing_in_turn_keep_their_blocks_consecutive(model):
+    """Decode rows growing one block at a time, interleaved (as a decode step grows its batch),
+    each keep consecutive block ids: the room `grow` leaves after a new run (as far as the row's
+    ``max_tokens`` reaches) and its growth into that room."""
+    runner = _runner(model, caching=False, blocks=64)
+    seqs = [_Seq(list(range(1, 7)), params=SamplingParams(max_tokens=10, temperature=0)) for _ in range(3)]
+    for s in seqs:
+        assert runner.grow(s, 6)
+    for n in range(7, 17):
+        for s in seqs:
+            assert runner.grow(s, n)
+    for s in seqs:
+        assert len(s.block_table) == 4 and s.block_table == list(range(s.block_table[0], s.block_table[0] + 4))
+
+
 def test_sample_maps_rows_to_logits_rows_and_a_bad_row_fails_alone(model):
     runner = _runner(model, caching=False)
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
