@@ -102,8 +102,8 @@ class BlockAllocator:
 
         Placement (the blocks' ids are addresses in the pool, so placement decides how the decode
         attention kernel walks memory: a row's blocks at consecutive ids are one stream per KV
-        head, read faster than blocks scattered over the pool; docs/PERFORMANCE.md, "Decode
-        attention reads the pool from memory"):
+        head, read faster than blocks scattered over the pool; docs/PERFORMANCE.md, "Consecutive
+        blocks, the step table with the workers' kernels, and what did not pay"):
 
         1. with ``after`` (a block the caller holds, the last of its block table), the free blocks
            right after it, while they are free;
@@ -129,19 +129,20 @@ class BlockAllocator:
             if after is not None:
                 b = after + 1
                 while len(blocks) < n and b < self.num_blocks and free_map[b]:
+                    free_map[b] = 0   # taken before the run search below
                     blocks.append(b)
                     b += 1
+                self._num_free -= len(blocks)
             rest = n - len(blocks)
             if rest and rest <= self._num_free:
                 start = self._find_run(rest + gap) if gap else -1
                 if start < 0:
                     start = self._find_run(rest)
                 if start >= 0:
+                    free_map[start:start + rest] = b"\x00" * rest
+                    self._num_free -= rest
                     blocks.extend(range(start, start + rest))
                     self._rover = start + rest + gap
-            for b in blocks:
-                free_map[b] = 0
-            self._num_free -= len(blocks)
             pos = 0
             while len(blocks) < n and self._num_free:
                 pos = free_map.find(1, pos)

@@ -8,6 +8,7 @@ import torch
 from engine.attention import DecodeGroup, ForwardBatch, SeqChunk
 from engine.config import CacheConfig, ModelConfig
 from engine.errors import CapacityError
+from engine.ids import BlockId
 from engine.kv_cache import BlockAllocator, KVPool, blocks_needed
 
 pytestmark = pytest.mark.unit
@@ -58,6 +59,18 @@ def test_a_run_leaves_its_gap_free_and_growth_takes_the_blocks_after_it():
     assert a.try_allocate(2, after=first[-1]) == [4, 5]          # growth runs on, not scattered
     assert a.try_allocate(2, after=5) == [6, 14]                 # past the gap: the next run
     assert a.try_allocate(1, after=second[-1]) == [11]
+
+
+def test_blocks_taken_after_a_row_are_never_handed_out_twice():
+    a = BlockAllocator(10)
+    row = a.try_allocate(2)                                      # 0, 1
+    grown = a.try_allocate(4)                                    # 2..5
+    a.try_allocate(1)                                            # 6
+    a.try_allocate(3)                                            # 7..9: the next search wraps to 0
+    a.free(grown)
+    a.free([BlockId(8)])
+    got = a.try_allocate(5, after=row[-1])                       # 2..5 after the row, stopped by 6
+    assert got == [2, 3, 4, 5, 8] and a.num_free == 0
 
 
 def test_a_gap_is_not_a_reservation_and_placement_never_fails_an_allocation():
