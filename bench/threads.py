@@ -46,6 +46,7 @@ from engine.loader import load_model, make_pool
 from engine.paged_decode import CompiledDecode
 from engine.runner import ModelRunner
 from worker.config import WorkerConfig
+from worker.runtime import warm_kernel_alone
 
 CONTEXT = 256
 BS = 16
@@ -90,25 +91,11 @@ def time_passes(runner: ModelRunner, pool: KVPool, reps: int, context: int = CON
 def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2)) -> float:
     """Give ``model`` the compiled attention kernels a CPU decode worker runs by default
     (``--attention-backend auto``: `CompiledDecode` for decode rows, `CompiledPrefill` for prompt
-    chunks), each built alone for every torch thread count in ``counts`` as `worker.runtime` does;
-    returns the seconds the builds took. Raises inductor's errors where it cannot build here."""
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(counts) + 1)
-    threads, seconds = torch.get_num_threads(), 0.0
-    try:
-        for attr, other, kind in (("decode_kernel", "prefill_kernel", CompiledDecode),
-                                  ("prefill_kernel", "decode_kernel", CompiledPrefill)):
-            kept = getattr(model, other)
-            setattr(model, attr, kind())
-            setattr(model, other, None)   # each kernel warmed alone
-            for count in counts:
-                torch.set_num_threads(count)
-                seconds += model.warm_up(pool)
-            setattr(model, other, kept)
-    finally:
-        torch.set_num_threads(threads)
-    return seconds
+    chunks), each built alone for every torch thread count in ``counts`` as a worker builds them
+    (`worker.runtime.warm_kernel_alone`); returns the seconds the builds took. Raises inductor's
+    errors where it cannot build here."""
+    return sum(warm_kernel_alone(model, pool, attr, kind(), counts)
+               for attr, kind in (("decode_kernel", CompiledDecode), ("prefill_kernel", CompiledPrefill)))
 
 
 def _run(runner: ModelRunner, pool: KVPool, chunks: list[SeqChunk]) -> None:

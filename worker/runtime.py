@@ -147,28 +147,13 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     pools (Triton), compiled layers (``--no-enforce-eager``) and "grouped" change nothing."""
     if config.attention_backend == "grouped" or config.device != "cpu" or not config.enforce_eager:
         return   # compiled layers attend through their own custom operator
-    threads = torch.get_num_threads()
     kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", CompiledPrefill.min_tokens)]
     if config.role == "decode":
         kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", CompiledDecode.min_rows))
-    import torch._dynamo.config as dynamo_config
-
-    # up to two graphs per thread count (`CompiledPrefill.warm_up`): past dynamo's limit a kernel
-    # would run uncompiled (flex eagerly: slow)
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit,
-                                        2 * len(_pass_thread_counts(config, 1)) + 1)
     for attr, kind, what, fallback, shortest in kernels:
-        others = {a: getattr(model, a) for a, *_ in kernels if a != attr}
-        setattr(model, attr, kind())
-        for a in others:
-            setattr(model, a, None)
         try:
-            seconds = 0.0
-            for count in _pass_thread_counts(config, shortest):
-                torch.set_num_threads(count)
-                seconds += model.warm_up(pool)
+            seconds = warm_kernel_alone(model, pool, attr, kind(), _pass_thread_counts(config, shortest))
         except Exception as exc:   # inductor's own errors
-            setattr(model, attr, None)
             cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if config.attention_backend == "compiled":
                 raise ValueError(f"--attention-backend compiled: the {what} kernel could not be built here "
@@ -176,12 +161,42 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
             log.warning("%s: %s (--attention-backend auto could not build the compiled kernel here: %s)",
                         what, fallback, cause)
             continue
-        finally:
-            torch.set_num_threads(threads)
-            for a, kernel in others.items():
-                setattr(model, a, kernel)
         log.info("%s: compiled (%s.%s), built in %.1f s (inductor's cache: %s)", what, kind.__module__,
                  kind.__name__, seconds, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
+
+
+KERNEL_ATTRS = ("prefill_kernel", "decode_kernel")   # a model's compiled attention kernels
+
+
+def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] | tuple[int, ...]) -> float:
+    """Set ``model.<attr>`` (one of `KERNEL_ATTRS`) to ``kernel`` and build its graphs by the
+    model's ``warm_up`` over ``pool`` on each torch thread count in ``counts`` (inductor's CPU
+    graphs are built for one count), the model's other kernels detached meanwhile so that only
+    this one is built; returns the seconds taken. Dynamo's recompile limit is raised to hold two
+    graphs a count (`CompiledPrefill.warm_up`; past the limit a kernel would run uncompiled). The
+    thread count and the other kernels are restored on return. Raises whatever the build raises
+    (inductor's errors where it cannot build CPU code), ``model.<attr>`` then None."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(counts) + 1)
+    threads = torch.get_num_threads()
+    others = {a: getattr(model, a) for a in KERNEL_ATTRS if a != attr}
+    setattr(model, attr, kernel)
+    for a in others:
+        setattr(model, a, None)
+    try:
+        seconds = 0.0
+        for count in counts:
+            torch.set_num_threads(count)
+            seconds += model.warm_up(pool)
+        return seconds
+    except BaseException:
+        setattr(model, attr, None)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+        for a, other in others.items():
+            setattr(model, a, other)
 
 
 def _pass_thread_counts(config: WorkerConfig, shortest: int) -> list[int]:
