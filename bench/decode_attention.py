@@ -11,10 +11,10 @@ holds it, float32 queries, tables scattered over the pool), median milliseconds 
 
 - ``grouped``: `engine.attention.paged_attention` as a decode step calls it on the CPU
   (`_decode_attention`: per `DecodeGroup`, K/V gathered, cast and attended by SDPA);
-- ``indexed, compiled``: `engine.paged_decode.paged_decode_indexed` through ``torch.compile``
-  (inductor), the batch size and the table width marked dynamic, so one graph serves every batch
-  and context; its first call's seconds (the compile, or a load from inductor's cache on disk) are
-  reported apart.
+- ``indexed, compiled``: `engine.paged_decode.CompiledDecode`, `paged_decode_indexed` compiled
+  ahead of time by AOTInductor, the batch size and the table width dynamic; one package per pool
+  shape (each row's pool has its own size), loaded from the disk cache or built at its first call;
+  the first call's seconds are reported apart.
 
 Each row also gives the largest absolute difference between the two outputs. Prints a table and,
 with ``--json``, writes it.
@@ -28,7 +28,7 @@ import torch
 
 from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk, paged_attention
-from engine.paged_decode import paged_decode_indexed
+from engine.paged_decode import CompiledDecode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -58,24 +58,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    compiled = torch.compile(paged_decode_indexed, dynamic=False)
+    kernel = CompiledDecode(min_rows=1)
     gen = torch.Generator().manual_seed(0)
     rows, first_call_s = [], None
     for context in (int(c) for c in args.contexts.split(",")):
         for b in (int(x) for x in args.batches.split(",")):
             q, k_pool, v_pool, fb, tables, lens = cases(b, context, gen)
-            for t, dims in ((q, (0,)), (tables, (0, 1)), (lens, (0,))):
-                for dim in dims:
-                    torch._dynamo.mark_dynamic(t, dim)
             grouped = paged_attention(q, None, None, k_pool, v_pool, fb, BLOCK)
             t0 = time.perf_counter()
-            indexed = compiled(q, k_pool, v_pool, tables, lens)
+            indexed = kernel(q, k_pool, v_pool, fb, None, None, None)
             if first_call_s is None:
                 first_call_s = time.perf_counter() - t0
             row = {"batch": b, "context": context,
                    "grouped_s": median_time(lambda: paged_attention(q, None, None, k_pool, v_pool, fb, BLOCK),
                                             args.reps),
-                   "indexed_compiled_s": median_time(lambda: compiled(q, k_pool, v_pool, tables, lens), args.reps),
+                   "indexed_compiled_s": median_time(lambda: kernel(q, k_pool, v_pool, fb, None, None, None), args.reps),
                    "max_abs_diff": float((grouped - indexed).abs().max())}
             rows.append(row)
             print(f"batch {b} context {context}: grouped {row['grouped_s'] * 1e3:.3f} ms, "

@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--attention-backend", default=None, choices=["auto", "grouped", "compiled"],
                    help="CPU workers' attention: compiled (decode attention reads the pool through the block "
                         "table, engine.paged_decode.CompiledDecode; prompts attend through FlexAttention, "
-                        "engine.flex_prefill.CompiledPrefill; torch.compile kernels built at start-up; "
+                        "engine.flex_prefill.CompiledPrefill; AOTInductor packages built at the first start and kept on disk; "
                         "measured: docs/PERFORMANCE.md, 'Decode attention through the block table' and "
                         "'Prefill attention through FlexAttention'), grouped (K/V gathered per group and "
                         "attended by SDPA; prompts by SDPA), or auto (compiled where inductor can build it, "

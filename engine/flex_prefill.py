@@ -6,15 +6,15 @@ docs/PERFORMANCE.md, "Prefill attention through FlexAttention".
 FlexAttention (``torch.nn.attention.flex_attention``; Dong et al., "Flex Attention: A
 Programming Model for Generating Optimized Attention Kernels", 2024) generates the attention
 kernel from a mask function and skips the key blocks a block mask marks empty; inductor writes
-it as C++ on the CPU (generated code, no kernel of our own). Compiled once with dynamic shapes,
-it serves every prompt length without recompiling.
+it as C++ on the CPU (generated code, no kernel of our own), ahead of time (AOTInductor,
+`engine.aot_kernel`). Compiled once with dynamic shapes, it serves every prompt length.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.paged_decode import configure_inductor
+from engine.aot_kernel import AotPackage, load_or_build
 
 BLOCK = 64
 """Rows (queries) and columns (keys) of one block of the causal block mask."""
@@ -55,11 +55,12 @@ def causal_block_mask(n: int, ctx: int | None = None, device: torch.device | str
 
 class CompiledPrefill:
     """Causal attention of a prompt chunk's tokens to themselves and to the sequence's cached
-    context before them through ``torch.compile(flex_attention, dynamic=True)``: one graph for
-    every chunk length, context and operand layout (the context offset is a tensor the mask
-    function reads; operands are copied head-major), per torch thread count (torch guards on it).
-    Built by `warm_up` (inductor, seconds; `engine.models.llama.LlamaModel.warm_up` calls it at
-    start-up, its time logged by the worker) and on disk in inductor's cache for the next start.
+    context before them through FlexAttention compiled ahead of time by AOTInductor
+    (`engine.aot_kernel`): one package for every chunk length, context and operand layout (its
+    lengths and block counts dynamic, the mask's context offset a tensor input; operands are
+    copied head-major), per torch thread count, query dtype, head shape and scale. `warm_up` loads
+    it from the disk cache or builds it (`engine.models.llama.LlamaModel.warm_up` calls it at
+    start-up, its time logged by the worker); ``packages`` holds them, by key.
 
     ``min_tokens``: chunks shorter than this go to SDPA instead (`engine.attention.paged_attention`
     asks `takes`): below it the compiled call's fixed cost ate the gain (measured:
@@ -71,13 +72,12 @@ class CompiledPrefill:
     """Block masks kept by `mask`."""
 
     def __init__(self) -> None:
-        """Raises nothing; inductor's errors (no C++ compiler) come from the first call, which
-        `worker.runtime` turns into a refusal to start or a warning (``--attention-backend``)."""
-        from torch.nn.attention.flex_attention import flex_attention
-
-        configure_inductor()
-        self._flex = torch.compile(flex_attention, dynamic=True)
+        """Raises nothing; inductor's errors (no C++ compiler) come from the call that builds a
+        package, which `worker.runtime` turns into a refusal to start or a warning
+        (``--attention-backend``)."""
         self._masks: dict[tuple, object] = {}   # (n, ctx, device) -> BlockMask, for a pass's layers
+        self._offsets: dict[tuple, torch.Tensor] = {}   # same keys -> the mask's offset, a tensor
+        self.packages: dict[tuple, AotPackage] = {}
 
     def mask(self, n: int, ctx: int, device: torch.device):
         """`causal_block_mask` (``n`` queries over ``ctx`` keys, both in tokens), built once for
@@ -88,18 +88,32 @@ class CompiledPrefill:
         if mask is None:
             if len(self._masks) >= self.MASKS:
                 self._masks.clear()
+                self._offsets.clear()
             mask = self._masks[key] = causal_block_mask(n, ctx, device)
+            self._offsets[key] = torch.tensor(ctx - n, dtype=torch.int64, device=device)
         return mask
+
+    def package(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device | str,
+                scale: float | None) -> AotPackage:
+        """The package for queries of ``dtype`` with these head counts and size on the current
+        thread count: kept, loaded or built (`engine.aot_kernel.load_or_build`)."""
+        key = (torch.get_num_threads(), dtype, heads, kv_heads, head_dim, str(device), scale)
+        package = self.packages.get(key)
+        if package is None:
+            params = {"dtype": str(dtype), "heads": [heads, kv_heads, head_dim], "device": str(device),
+                      "scale": scale, "block": BLOCK}
+            package = self.packages[key] = load_or_build(
+                "flex_prefill", params, [__file__],
+                lambda: _export_prefill(dtype, heads, kv_heads, head_dim, device, scale))
+        return package
 
     def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu", scale: float | None = None) -> None:
-        """Build the graph(s) for query tensors ``[n, heads, head_dim]`` and K/V ``[ctx,
+        """Load or build the package for query tensors ``[n, heads, head_dim]`` and K/V ``[ctx,
         kv_heads, head_dim]`` of ``dtype`` on ``device`` (``scale`` as `__call__`'s) before the
-        first prompt, on the current thread count, under
-        ``torch.inference_mode`` as a model's forward runs: two calls on random rows, the
-        shortest chunk taken after as much context, then one of other block counts (the first
-        graph holds the block mask's counts fixed; the second, built when they change, takes them
-        as dynamic: built here, not at a served prompt)."""
+        first prompt, on the current thread count, and run it under ``torch.inference_mode`` as a
+        model's forward does: two calls on random rows, the shortest chunk taken after as much
+        context, then one of other block counts."""
         with torch.inference_mode():
             for n, ctx in ((self.min_tokens, 2 * self.min_tokens), (self.min_tokens + 2 * BLOCK, 704)):
                 self(torch.randn(n, heads, head_dim, dtype=dtype, device=device),
@@ -129,11 +143,51 @@ class CompiledPrefill:
             raise ValueError(f"{n} queries cannot sit past {ctx} keys")
         # queries from the start of the key block holding the first: the mask's query blocks then
         # line up with its key blocks, one partial block each (the rows before are computed and
-        # dropped); every operand contiguous, head-major, whatever layout it came in: one graph
+        # dropped); every operand contiguous, head-major, whatever layout it came in
         pad = (ctx - n) % BLOCK
         qt = q.new_zeros(1, heads, pad + n, dim)
         qt[0, :, pad:] = q.transpose(0, 1)
         kt, vt = (q.new_empty(1, t.shape[1], ctx, dim).copy_(t.transpose(0, 1)) for t in (k, v))   # cast too
-        o = self._flex(qt, kt, vt, block_mask=self.mask(pad + n, ctx, q.device), scale=scale,
-                       enable_gqa=heads != k.shape[1])
+        mask = self.mask(pad + n, ctx, q.device)
+        offset = self._offsets[(pad + n, ctx, str(q.device))]
+        package = self.package(q.dtype, heads, k.shape[1], dim, q.device, scale)
+        o = package(qt, kt, vt, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                    mask.full_kv_indices, offset)[0]
         return o[0, :, pad:].transpose(0, 1).reshape(n, -1)
+
+
+class _Prefill(torch.nn.Module):
+    """FlexAttention under the causal mask of `causal_block_mask`, rebuilt from its block tensors
+    and offset (inputs), with the scale fixed: what `torch.export` takes."""
+
+    def __init__(self, scale: float | None, enable_gqa: bool):
+        super().__init__()
+        self.scale, self.enable_gqa = scale, enable_gqa
+
+    def forward(self, qt, kt, vt, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, offset):
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+
+        mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                        BLOCK_SIZE=BLOCK, mask_mod=causal, seq_lengths=(qt.shape[2], kt.shape[2]),
+                                        compute_q_blocks=False)
+        return flex_attention(qt, kt, vt, block_mask=mask, scale=self.scale, enable_gqa=self.enable_gqa)
+
+
+def _export_prefill(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device | str,
+                    scale: float | None):
+    """`_Prefill` exported on example operands of 320 queries over 704 keys, the query and key
+    lengths and the mask's block counts dynamic."""
+    n, ctx = 5 * BLOCK, 11 * BLOCK
+    mask = causal_block_mask(n, ctx, device)
+    args = (torch.zeros(1, heads, n, head_dim, dtype=dtype, device=device),
+            *(torch.zeros(1, kv_heads, ctx, head_dim, dtype=dtype, device=device) for _ in range(2)),
+            mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+            torch.tensor(ctx - n, dtype=torch.int64, device=device))
+    lq, lk = torch.export.Dim("queries", min=2), torch.export.Dim("keys", min=2)
+    nq, nk = torch.export.Dim("query_blocks", min=2), torch.export.Dim("key_blocks", min=2)
+    return torch.export.export(_Prefill(scale, heads != kv_heads), args,
+                               dynamic_shapes=({2: lq}, {2: lk}, {2: lk}, {2: nq}, {2: nq, 3: nk}, {2: nq},
+                                               {2: nq, 3: nk}, None))

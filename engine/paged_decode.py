@@ -1,5 +1,5 @@
 """Decode attention that reads the KV pool through the block table on the CPU: `paged_decode_indexed`
-(torch indexing over the pool) and `CompiledDecode` (it through ``torch.compile``), the kernel of
+(torch indexing over the pool) and `CompiledDecode` (it compiled ahead of time by AOTInductor), the kernel of
 ``--attention-backend compiled|auto``; `engine.attention._decode_attention` dispatches to it.
 Measured against the grouped path: docs/PERFORMANCE.md, "Decode attention through the block table"."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.aot_kernel import AotPackage, load_or_build
 from engine.attention import ForwardBatch
 
 
@@ -58,42 +59,26 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     return out.reshape(d, heads * dim)
 
 
-def configure_inductor() -> None:
-    """Inductor as the worker's compiled kernels use it (`CompiledDecode`,
-    `engine.flex_prefill.CompiledPrefill`): it compiles in the calling process
-    (``compile_threads = 1``: no pool of compile workers left running), and takes the CPU's vector
-    instructions from torch's own detection (``cpp.vec_isa_ok``) unless
-    ``TORCHINDUCTOR_VEC_ISA_OK`` set it: no probe libraries built and loaded in child processes
-    at every start."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.compile_threads = 1
-    if inductor_config.cpp.vec_isa_ok is None:
-        inductor_config.cpp.vec_isa_ok = True
-
-
 class CompiledDecode:
-    """`paged_decode_indexed` through ``torch.compile`` (inductor): the CPU decode-attention
-    kernel of a worker started with ``--attention-backend compiled`` (or ``auto``); K/V are read from the pool
-    through the block table, never gathered into a copy (measured against the grouped path:
-    docs/PERFORMANCE.md, "Decode attention through the block table").
+    """`paged_decode_indexed` compiled ahead of time by AOTInductor (`engine.aot_kernel`): the CPU
+    decode-attention kernel of a worker started with ``--attention-backend compiled`` (or
+    ``auto``); K/V are read from the pool through the block table, never gathered into a copy
+    (measured against the grouped path: docs/PERFORMANCE.md, "Decode attention through the block
+    table").
 
-    One graph serves every decode batch of one pool: the batch size and the block table's width
-    are marked dynamic, and a batch of one row or a table of one column is padded to two (torch
-    specializes sizes 0 and 1, which would build three more graphs). The graph is built for a
-    thread count and torch guards on it: the kernel runs on the calling pass's threads, one graph
-    per count (a worker builds one for each count its passes may take before the first request,
-    `worker.runtime`; measured: docs/PERFORMANCE.md, "Decode attention on the pass's threads,
-    and where a served core goes"). A new pool (its shape), dtype, window, scale or
-    soft-cap builds another graph. A model's ``warm_up`` builds it for the current count.
-    Inductor compiles in the calling process (``compile_threads = 1``: no compile workers), and
-    takes the CPU's vector instructions from torch's own detection (``cpp.vec_isa_ok``, unless
-    ``TORCHINDUCTOR_VEC_ISA_OK`` says otherwise) instead of compiling and loading probe libraries
-    in child processes at every start: a compiler that cannot build for them fails the first call,
-    as below.
+    One package serves every decode batch of one pool layout: the batch size and the block
+    table's width are dynamic (two and more: a batch of one row or a table of one column is padded
+    to two, `engine.attention.ForwardBatch.indexed_decode_inputs`). A package is built for one
+    thread count (inductor writes its parallel loops for it), one pool shape, stride and dtype,
+    one query dtype and head shape, window, scale and soft-cap; the kernel keeps one per such key,
+    loaded from the disk cache or built at the first call that needs it (a model's ``warm_up``
+    makes that call before the first request; a worker warms each thread count its passes may
+    take, `worker.runtime`; measured: docs/PERFORMANCE.md, "Decode attention on the pass's
+    threads, and where a served core goes"). ``packages`` holds them, by key.
 
-    Raises (from the first call): ``torch._inductor`` / ``torch._dynamo`` errors when inductor
-    cannot build CPU code (no C++ compiler); `worker.runtime` turns that into a refusal to start.
+    Raises (from the call that builds a package): ``torch.export`` / ``torch._inductor`` errors
+    when inductor cannot build CPU code (no C++ compiler); `worker.runtime` turns that into a
+    refusal to start.
     """
 
     min_rows = 4
@@ -101,11 +86,26 @@ class CompiledDecode:
 
     def __init__(self, min_rows: int = min_rows):
         """``min_rows``: decode batches of fewer one-token sequences keep the grouped path, where
-        this kernel's fixed cost per call (guards, padding) outweighs its gain (measured:
-        docs/PERFORMANCE.md, "Decode attention through the block table")."""
+        this kernel's fixed cost per call (padding, the call into the package) outweighs its gain
+        (measured: docs/PERFORMANCE.md, "Decode attention through the block table")."""
         self.min_rows = min_rows
-        configure_inductor()
-        self._fn = torch.compile(paged_decode_indexed, dynamic=False)
+        self.packages: dict[tuple, AotPackage] = {}
+
+    def package(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int | None,
+                scale: float | None, softcap: float | None) -> AotPackage:
+        """The package for these operands (``q`` ``[D, heads, head_dim]``, one layer's pools) on
+        the current thread count: kept, loaded or built (`engine.aot_kernel.load_or_build`)."""
+        key = (torch.get_num_threads(), q.dtype, q.shape[1:], k_pool.dtype, k_pool.shape, k_pool.stride(),
+               v_pool.stride(), window, scale, softcap)
+        package = self.packages.get(key)
+        if package is None:
+            params = {"q": [str(q.dtype), list(q.shape[1:])], "pool": [str(k_pool.dtype), list(k_pool.shape)],
+                      "strides": [list(k_pool.stride()), list(v_pool.stride())],
+                      "window": window, "scale": scale, "softcap": softcap}
+            package = self.packages[key] = load_or_build(
+                "paged_decode", params, [__file__],
+                lambda: _export_decode(q, k_pool, v_pool, window, scale, softcap))
+        return package
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                  window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
@@ -116,7 +116,27 @@ class CompiledDecode:
         if rows == 1:
             q = q.expand(2, -1, -1)
         q = q.contiguous()
-        for t, dims in ((q, (0,)), (tables, (0, 1)), (lens, (0,))):
-            for dim in dims:
-                torch._dynamo.mark_dynamic(t, dim)
-        return self._fn(q, k_pool, v_pool, tables, lens, window, scale, softcap)[:rows]
+        return self.package(q, k_pool, v_pool, window, scale, softcap)(q, k_pool, v_pool, tables, lens)[0][:rows]
+
+
+class _Decode(torch.nn.Module):
+    """`paged_decode_indexed` with its static parameters fixed, as `torch.export` takes it."""
+
+    def __init__(self, window: int | None, scale: float | None, softcap: float | None):
+        super().__init__()
+        self.window, self.scale, self.softcap = window, scale, softcap
+
+    def forward(self, q, k_pool, v_pool, block_tables, lens):
+        return paged_decode_indexed(q, k_pool, v_pool, block_tables, lens, self.window, self.scale, self.softcap)
+
+
+def _export_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int | None,
+                   scale: float | None, softcap: float | None):
+    """`_Decode` exported on example operands shaped as ``q`` and the pools (5 rows, 7 table
+    columns), rows and columns dynamic from two up."""
+    rows, width = torch.export.Dim("rows", min=2), torch.export.Dim("width", min=2)
+    example_q = torch.zeros(5, *q.shape[1:], dtype=q.dtype, device=q.device)
+    tables = torch.zeros(5, 7, dtype=torch.long, device=q.device)
+    lens = torch.full((5,), 7 * k_pool.shape[2], dtype=torch.long, device=q.device)
+    return torch.export.export(_Decode(window, scale, softcap), (example_q, k_pool, v_pool, tables, lens),
+                               dynamic_shapes=({0: rows}, None, None, {0: rows, 1: width}, {0: rows}))

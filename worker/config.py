@@ -75,9 +75,10 @@ class WorkerConfig:
         attention_backend: a CPU worker's attention: "grouped" (a decode worker's decode
             attention: each group of sequences' K/V gathered, cast and attended by SDPA; prompts
             by SDPA), or "compiled" (decode workers: `engine.paged_decode.CompiledDecode`, the
-            pool read through the block table by a ``torch.compile`` kernel; every worker: the
-            attention of prompt chunks (cached context too) through FlexAttention,
-            `engine.flex_prefill.CompiledPrefill`; built at start-up with their time logged;
+            pool read through the block table by inductor's code; every worker: the attention of
+            prompt chunks (cached context too) through FlexAttention,
+            `engine.flex_prefill.CompiledPrefill`; both AOTInductor packages, loaded from disk or
+            built at start-up (`engine.aot_kernel`), their time logged;
             needs a C++ compiler for inductor: refused to start without one), or "auto"
             (compiled where it builds, else grouped with a warning saying why; ``pdserve up``'s
             default). CUDA pools (Triton) ignore it.

@@ -26,6 +26,7 @@ import torch
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
+from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
 from engine.paged_decode import CompiledDecode
 from engine.runner import prefix_caching_conflict
@@ -139,8 +140,9 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     """A CPU worker's compiled attention kernels (``config.attention_backend`` "compiled" or
     "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
     worker's attention of prompt chunks (`engine.flex_prefill.CompiledPrefill`;
-    a decode worker runs prompt passes when serving colocated). Each is built now, alone (the
-    other detached during its warm-up), once per thread count a pass it serves may run on
+    a decode worker runs prompt passes when serving colocated). Each is loaded from the disk
+    cache or built now (`engine.aot_kernel`), alone (the other detached during its warm-up), once
+    per thread count a pass it serves may run on
     (`_pass_thread_counts`), its time logged. When inductor
     cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming
     the cause) and "auto" logs a warning with the cause and keeps SDPA / the grouped path. CUDA
@@ -151,8 +153,9 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     if config.role == "decode":
         kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", CompiledDecode.min_rows))
     for attr, kind, what, fallback, shortest in kernels:
+        kernel, counts = kind(), _pass_thread_counts(config, shortest)
         try:
-            seconds = warm_kernel_alone(model, pool, attr, kind(), _pass_thread_counts(config, shortest))
+            seconds = warm_kernel_alone(model, pool, attr, kernel, counts)
         except Exception as exc:   # inductor's own errors
             cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if config.attention_backend == "compiled":
@@ -161,24 +164,23 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
             log.warning("%s: %s (--attention-backend auto could not build the compiled kernel here: %s)",
                         what, fallback, cause)
             continue
-        log.info("%s: compiled (%s.%s), built in %.1f s (inductor's cache: %s)", what, kind.__module__,
-                 kind.__name__, seconds, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
+        packages = list(kernel.packages.values())
+        built = sum(p.built for p in packages)
+        log.info("%s: compiled (%s.%s), ready in %.1f s: %d package(s) for thread counts %s, %d built, %d loaded "
+                 "from %s", what, kind.__module__, kind.__name__, seconds, len(packages), counts, built,
+                 len(packages) - built, aot_cache_dir())
 
 
 KERNEL_ATTRS = ("prefill_kernel", "decode_kernel")   # a model's compiled attention kernels
 
 
 def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] | tuple[int, ...]) -> float:
-    """Set ``model.<attr>`` (one of `KERNEL_ATTRS`) to ``kernel`` and build its graphs by the
+    """Set ``model.<attr>`` (one of `KERNEL_ATTRS`) to ``kernel`` and load or build its code by the
     model's ``warm_up`` over ``pool`` on each torch thread count in ``counts`` (inductor's CPU
-    graphs are built for one count), the model's other kernels detached meanwhile so that only
-    this one is built; returns the seconds taken. Dynamo's recompile limit is raised to hold two
-    graphs a count (`CompiledPrefill.warm_up`; past the limit a kernel would run uncompiled). The
+    code is built for one count: one package each, `engine.aot_kernel`), the model's other
+    kernels detached meanwhile so that only this one is built; returns the seconds taken. The
     thread count and the other kernels are restored on return. Raises whatever the build raises
     (inductor's errors where it cannot build CPU code), ``model.<attr>`` then None."""
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(counts) + 1)
     threads = torch.get_num_threads()
     others = {a: getattr(model, a) for a in KERNEL_ATTRS if a != attr}
     setattr(model, attr, kernel)

@@ -270,10 +270,10 @@ class LlamaModel:
         """With compiled layers, build their graphs now rather than at the first requests: one
         pass of each shape kind (one token; one prompt of several tokens; two one-token
         sequences) over two blocks of ``pool`` taken and given back. Returns the seconds it took
-        (0.0 when nothing is compiled). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its graph
-        too, by a decode pass of as many sequences as it takes (its ``min_rows``); with a
-        `prefill_kernel` (`engine.flex_prefill.CompiledPrefill`), its graphs (its ``warm_up``, on
-        this model's head shapes). Raises ValueError
+        (0.0 when nothing is compiled). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its package
+        too (loaded or built), by a decode pass of as many sequences as it takes (its ``min_rows``);
+        with a `prefill_kernel` (`engine.flex_prefill.CompiledPrefill`), its package (its
+        ``warm_up``, on this model's head shapes). Raises ValueError
         when ``pool`` has fewer than two free blocks."""
         if self._compiled_layers is None and self.decode_kernel is None and self.prefill_kernel is None:
             return 0.0

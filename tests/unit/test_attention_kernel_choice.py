@@ -90,11 +90,13 @@ def test_each_kernel_is_built_alone_for_each_thread_count_its_passes_may_take(mo
     config = WorkerConfig(role="prefill", attention_backend="compiled", cpu_board="/tmp/board", borrow_cpus="1")
     _set_attention_kernels(config, model, pool)
     assert model.prefill_kernel.thread_counts == [1, 1, 2, 2] and model.decode_kernel is None   # 2 a count
+    assert sorted(key[0] for key in model.prefill_kernel.packages) == [1, 2]   # one package a count
     assert torch.get_num_threads() == before
     model.prefill_kernel = None
     _set_attention_kernels(WorkerConfig(role="decode", attention_backend="compiled", threads=2), model, pool)
     assert model.prefill_kernel.thread_counts == [2, 2]
     assert sorted(set(model.decode_kernel.thread_counts)) == [1, 2]   # once a layer
+    assert sorted(key[0] for key in model.decode_kernel.packages) == [1, 2]
     assert torch.get_num_threads() == before
     shortest = CompiledPrefill.min_tokens
     assert _pass_thread_counts(WorkerConfig(role="prefill", borrow_cpus="2,3", cpu_board="/tmp/board"),
@@ -123,16 +125,19 @@ def test_where_a_kernel_cannot_be_built_auto_keeps_the_eager_path_and_compiled_r
     assert pool.allocator.num_free == pool.allocator.num_blocks
 
 
-def test_the_kernel_takes_torchs_isa_detection_unless_told_otherwise():
-    """No probe libraries built and loaded in child processes at each start (`CompiledDecode`);
-    an explicit ``TORCHINDUCTOR_VEC_ISA_OK`` (inductor's ``cpp.vec_isa_ok``) is kept. Inductor's
-    own ``patch`` sets and restores the option: pytest's monkeypatch would delete it on undo
-    (it cannot read the old value off inductor's config proxy), hiding it from later tests."""
+def test_the_kernels_build_with_torchs_isa_detection_unless_told_otherwise():
+    """No probe libraries built and loaded in child processes when a package is built
+    (`engine.aot_kernel.configure_inductor`); an explicit ``TORCHINDUCTOR_VEC_ISA_OK`` (inductor's
+    ``cpp.vec_isa_ok``) is kept. Inductor's own ``patch`` sets and restores the option: pytest's
+    monkeypatch would delete it on undo (it cannot read the old value off inductor's config
+    proxy), hiding it from later tests."""
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch({"cpp.vec_isa_ok": None}):
-        CompiledDecode()
-        assert inductor_config.cpp.vec_isa_ok is True
+    from engine.aot_kernel import configure_inductor
+
+    with inductor_config.patch({"cpp.vec_isa_ok": None, "compile_threads": 2}):
+        configure_inductor()
+        assert inductor_config.cpp.vec_isa_ok is True and inductor_config.compile_threads == 1
     with inductor_config.patch({"cpp.vec_isa_ok": False}):
-        CompiledDecode()
+        configure_inductor()
         assert inductor_config.cpp.vec_isa_ok is False

@@ -269,42 +269,34 @@ def test_indexed_decode_attention_equals_the_grouped_path(block, window, softcap
     assert (wrong - want).abs().max() > 1e-2
 
 
-def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_one_graph():
-    """Through ``torch.compile`` (inductor, batch and table width marked dynamic, as
-    `bench.decode_attention` runs it) the indexed kernel equals the serving path on two batches of
-    different sizes, block-table widths and contexts, compiling once (a worker's block size and
-    model shapes are fixed, so one graph serves all its decode steps)."""
-    from torch._dynamo.utils import counters
-
+def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_one_package():
+    """Compiled ahead of time (`engine.paged_decode.CompiledDecode`: AOTInductor, batch and table
+    width dynamic) the indexed kernel equals the serving path on two batches of different sizes,
+    block-table widths and contexts over a head-major pool, from one package (a worker's block
+    size and model shapes are fixed, so one package serves all its decode steps)."""
     from engine.attention import paged_attention
-    from engine.paged_decode import paged_decode_indexed
+    from engine.paged_decode import CompiledDecode
 
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(paged_decode_indexed, dynamic=False)
+    kernel = CompiledDecode()
     block = 8
     q_all, pool_k, pool_v, batch, lens_all = _indexed_case(block, torch.Generator().manual_seed(6))
     # every row, 8 table columns; then the rows of at most 33 tokens, 5 columns
     for rows, width in ((list(range(len(lens_all))), 8), ([0, 1, 2, 3, 6], 5)):
         q, lens = q_all[rows], lens_all[rows]
         tables = batch.block_tables[rows, :width].contiguous()
-        for t, dims in ((q, (0,)), (tables, (0, 1)), (lens, (0,))):
-            for dim in dims:
-                torch._dynamo.mark_dynamic(t, dim)
         sub = ForwardBatch.build([SeqChunk([1], int(n) - 1, tables[i, :-(-int(n) // block)])
                                   for i, n in enumerate(lens)], block)
+        assert sub.block_tables.shape == (len(rows), width)
         want = paged_attention(q, None, None, pool_k, pool_v, sub, block)
-        torch.testing.assert_close(compiled(q, pool_k, pool_v, tables, lens), want, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 1
+        torch.testing.assert_close(kernel(q, pool_k, pool_v, sub, None, None, None), want, rtol=1e-5, atol=1e-5)
+    assert len(kernel.packages) == 1
 
 
 def test_a_model_decodes_through_the_compiled_kernel_as_through_the_grouped_path():
     """A tiny model's decode steps (ragged contexts, a batch of one, a mixed pass of a prompt
     chunk beside one-token sequences) give the same logits through `CompiledDecode` as through
-    the grouped path, its warm-up builds the graph and every step after it reuses that graph, and
-    the caller's thread count is left as it was."""
-    from torch._dynamo.utils import counters
-
+    the grouped path, its warm-up loads or builds the package and every step after it runs that
+    package, and the caller's thread count is left as it was."""
     from engine.paged_decode import CompiledDecode
     from tests.unit.test_engine_runner import TINY, _model
 
@@ -326,26 +318,24 @@ def test_a_model_decodes_through_the_compiled_kernel_as_through_the_grouped_path
         return outs
 
     want = steps()
-    torch._dynamo.reset()
-    counters.clear()
-    model.decode_kernel = CompiledDecode(min_rows=1)   # a lone row too (padded to two)
+    kernel = model.decode_kernel = CompiledDecode(min_rows=1)   # a lone row too (padded to two)
     try:
         assert model.warm_up(pool) > 0
-        assert counters["stats"]["unique_graphs"] == 1
+        assert len(kernel.packages) == 1
         threads = torch.get_num_threads()
         got = steps()
         assert torch.get_num_threads() == threads
     finally:
         model.decode_kernel = None
-    assert counters["stats"]["unique_graphs"] == 1
+    assert len(kernel.packages) == 1
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_batches_below_the_kernels_min_rows_keep_the_grouped_path():
     """`CompiledDecode` runs only for decode batches of at least ``min_rows`` sequences (its fixed
-    cost per call outweighs its gain below); its compiled function is replaced here by an eager
-    counting stand-in, since what is checked is the dispatch, not the graph."""
+    cost per call outweighs its gain below); its package is replaced here by an eager
+    counting stand-in, since what is checked is the dispatch, not the compiled code."""
     from engine.paged_decode import CompiledDecode, paged_decode_indexed
     from tests.unit.test_engine_runner import TINY, _model
 
@@ -353,7 +343,14 @@ def test_decode_batches_below_the_kernels_min_rows_keep_the_grouped_path():
     pool = KVPool(TINY, CacheConfig(block_size=4, num_blocks=16))
     kernel = CompiledDecode(min_rows=3)
     calls = []
-    kernel._fn = lambda *args: calls.append(args[0].shape[0]) or paged_decode_indexed(*args)
+
+    def package(q, k_pool, v_pool, window, scale, softcap):   # the stand-in for the compiled package
+        def run(q, k_pool, v_pool, tables, lens):
+            calls.append(q.shape[0])
+            return [paged_decode_indexed(q, k_pool, v_pool, tables, lens, window, scale, softcap)]
+        return run
+
+    kernel.package = package
     model.decode_kernel = kernel
     tables = [pool.allocator.allocate(2) for _ in range(3)]
     for t in tables:

@@ -1,6 +1,6 @@
 """The CPU prompt-attention kernel (`engine.flex_prefill.CompiledPrefill`: FlexAttention through
 inductor) against torch's SDPA: every chunk length and cached context (partial last blocks
-included), grouped and plain heads, one graph for all of them; and
+included), grouped and plain heads, one package for all of them; and
 `engine.attention.paged_attention`'s dispatch to it (chunks it takes, with or without context,
 not shorter ones), a model's logits through it equal to SDPA's."""
 
@@ -60,7 +60,7 @@ def test_a_kernel_builds_each_mask_once_for_a_pass_and_keeps_a_bounded_number(ke
     assert torch.equal(kernel.mask(300, 316, torch.device("cpu")).to_dense(), first.to_dense())   # rebuilt alike
 
 
-# 3 KV heads, as many as the first call's query blocks: torch gives both one size symbol (duck sizing)
+# grouped heads (3 KV heads, as many as the warm-up's first query blocks) and plain ones
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
 def test_the_kernel_equals_sdpa_at_every_length_context_and_layout_from_its_warm_up_graphs(kernel, heads, kv_heads):
     """Chunk lengths on and off the block edges, after no context and after contexts on and off
@@ -68,13 +68,12 @@ def test_the_kernel_equals_sdpa_at_every_length_context_and_layout_from_its_warm
     other than the default. Under ``inference_mode`` as a model's forward runs, with the
     operands in the layouts `paged_attention` passes (K/V cut from a pass's projections, or
     gathered head-major from the pool; queries a view of a wider row): after the kernel's
-    `warm_up` none of them builds another graph."""
-    from torch._dynamo.utils import counters
-
+    `warm_up` none of them needs another package."""
     g = torch.Generator().manual_seed(heads)
     n0 = kernel.min_tokens
     kernel.warm_up(heads, kv_heads, 16, torch.float32, scale=0.3)
-    compiled = counters["stats"]["unique_graphs"]
+    packages = dict(kernel.packages)
+    assert sum(key[2:4] == (heads, kv_heads) for key in packages) == 1
     with torch.inference_mode():
         for i, (n, cached) in enumerate(((n0, 0), (200, 0), (4 * BLOCK, 0), (4 * BLOCK + 1, 0), (517, 0),
                                          (n0, 16), (264, 16), (4 * BLOCK, 2 * BLOCK), (300, 701))):
@@ -85,7 +84,7 @@ def test_the_kernel_equals_sdpa_at_every_length_context_and_layout_from_its_warm
             if i % 3 == 2:   # a bfloat16 pool's K/V, cast by the kernel
                 k, v = k.bfloat16(), v.bfloat16()
             torch.testing.assert_close(kernel(q, k, v, 0.3), _sdpa(q, k.float(), v.float(), 0.3), rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == compiled   # no length, context or layout built another graph
+    assert kernel.packages == packages   # no length, context or layout needed another package
 
 
 class _Calls(CompiledPrefill):

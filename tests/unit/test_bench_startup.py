@@ -1,0 +1,35 @@
+"""`bench.startup`: it reads the kernel times from the lines a worker really logs, and sums up its
+starts as compiled / eager."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from bench.startup import kernel_builds, summary
+from engine.config import CacheConfig
+from engine.kv_cache import KVPool
+from tests.unit.test_engine_runner import TINY, _model
+from worker.config import WorkerConfig
+from worker.runtime import _set_attention_kernels
+
+pytestmark = pytest.mark.unit
+
+
+def test_kernel_times_come_from_the_workers_own_log_lines(tmp_path, caplog):
+    model, pool = _model(5), KVPool(TINY, CacheConfig(block_size=4, num_blocks=16))
+    with caplog.at_level(logging.INFO, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto"), model, pool)
+    (tmp_path / "decode-0.log").write_text(caplog.text)
+    (tmp_path / "router.log").write_text("nothing compiled here\n")
+    builds = kernel_builds(tmp_path)
+    assert sorted(builds) == ["decode-0/decode attention", "decode-0/prompt attention"]
+    assert all(seconds >= 0 for seconds in builds.values())
+
+
+def test_the_summary_is_the_ratio_of_medians():
+    rows = [{"config": "eager", "seconds": s} for s in (4.0, 5.0, 9.0)]
+    rows += [{"config": "compiled", "seconds": s} for s in (6.0, 6.5, 20.0)]
+    rows.append({"config": "compiled, cold cache", "seconds": 60.0})
+    assert summary(rows) == {"median_eager_s": 5.0, "median_compiled_s": 6.5, "ratio": 1.3}
