@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once up, send QUESTION through the OpenAI API and print the answer; keep serving")
     u.add_argument("--cpu-affinity", type=_cpu_list, default=None, metavar="CPU,CPU,...",
-                   help="pin workers one CPU each, in order prefill-0.., decode-0.. (cycling); default: "
+                   help="pin workers --threads CPUs each, in order prefill-0.., decode-0.. (cycling); default: "
                         "a CPU each when every worker runs one thread and there are CPUs enough; '' pins none")
     u.add_argument("--lend-idle-cpus", action=argparse.BooleanOptionalAction, default=True,
                    help="with --cpu-affinity giving each worker a CPU of its own: a worker's prompt chunks "

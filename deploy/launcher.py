@@ -71,15 +71,16 @@ class LauncherConfig:
         serving_mode / colocated_threshold_tokens: the router's (`router.serving`):
             "disaggregated", "colocated" (decode workers run whole requests) or "auto"
             (prompts under the threshold colocated).
-        cpu_affinity: CPUs to pin workers to, one each, in start order (prefill-0, prefill-1,
-            ..., decode-0, ...), cycling when there are more workers than CPUs; empty: no
-            pinning. The router is never pinned. A tensor-parallel worker's ranks share its CPU.
+        cpu_affinity: CPUs to pin workers to, ``threads`` each (consecutive in this order), in
+            start order (prefill-0, prefill-1, ..., decode-0, ...), cycling when there are more
+            workers than CPUs; empty: no pinning. The router is never pinned. A tensor-parallel
+            worker's ranks share its CPUs.
         device: every worker's ``--device`` ("cpu" or "cuda[:n]": weights and KV pool there; two
             GPU pools on one host move KV with cuda_ipc, others staged or over verbs).
         prefill_tp / decode_tp: the tensor parallel size of each prefill / decode worker in order
             (``--tensor-parallel-size``, `engine.tp`), the last repeating for the rest; any sizes
             the model's KV heads split over pair (`worker.tp_rank`).
-        lend_idle_cpus: with ``cpu_affinity`` giving every worker a CPU of its own (CPU workers
+        lend_idle_cpus: with ``cpu_affinity`` giving every worker CPUs of its own (CPU workers
             at TP 1), a worker's long passes (prompt chunks) also run on the other workers' CPUs
             while those wait for work (`worker.cpu_board`; the board is ``<log_dir>/cpu-board``).
     """
@@ -225,8 +226,9 @@ class Cluster:
         self.router = Child("router", self._router_argv(), self.log_dir / "router.log")
         names = [f"prefill-{i}" for i in range(c.num_prefill)] + [f"decode-{i}" for i in range(c.num_decode)]
         self.workers = [Child(n, self._worker_argv(n), self.log_dir / f"{n}.log") for n in names]
-        self.cpus: dict[str, int] = ({n: c.cpu_affinity[i % len(c.cpu_affinity)]
-                                      for i, n in enumerate(names)} if c.cpu_affinity else {})
+        self.cpus: dict[str, tuple[int, ...]] = {   # each worker's CPUs (`LauncherConfig.cpu_affinity`)
+            n: tuple(sorted({c.cpu_affinity[(i * c.threads + j) % len(c.cpu_affinity)] for j in range(c.threads)}))
+            for i, n in enumerate(names)} if c.cpu_affinity else {}
         self.lent = self._lending()
         self.passive = self.oversubscribed()
         self.board_path = self.log_dir / "cpu-board"
@@ -258,13 +260,14 @@ class Cluster:
 
     def _lending(self) -> dict[str, set[int]]:
         """The CPUs each worker may borrow (`LauncherConfig.lend_idle_cpus`): every other
-        worker's, when each pinned CPU worker at TP 1 has a CPU of its own; else none."""
+        worker's, when each pinned CPU worker at TP 1 has CPUs of its own; else none."""
         c = self.config
-        pinned = list(self.cpus.values())
-        if (not c.lend_idle_cpus or c.device != "cpu" or len(pinned) < 2 or len(set(pinned)) < len(pinned)
+        pinned = [set(cpus) for cpus in self.cpus.values()]
+        every = set().union(*pinned)
+        if (not c.lend_idle_cpus or c.device != "cpu" or len(pinned) < 2 or sum(map(len, pinned)) > len(every)
                 or any(self._tp(w.name) > 1 for w in self.workers)):
             return {}
-        return {n: set(pinned) - {cpu} for n, cpu in self.cpus.items()}
+        return {n: every - set(cpus) for n, cpus in self.cpus.items()}
 
     def _tp(self, name: str) -> int:
         sizes = self.config.decode_tp if name.startswith("decode") else self.config.prefill_tp
@@ -279,7 +282,7 @@ class Cluster:
         threads, and two processes spinning on the same cores starve each other (measured:
         docs/PERFORMANCE.md, "One OpenMP team per worker")."""
         everywhere = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-        cpus = {w.name: {self.cpus[w.name]} if w.name in self.cpus else everywhere for w in self.workers}
+        cpus = {w.name: set(self.cpus[w.name]) if w.name in self.cpus else everywhere for w in self.workers}
         threads = {w.name: self.config.threads * self._tp(w.name) for w in self.workers}
         out = set()
         for name, mine in cpus.items():
@@ -312,7 +315,7 @@ class Cluster:
         (after stopping whatever was started)."""
         try:
             if self.lent:   # every CPU busy until its owner says it waits
-                CpuBoard.create(self.board_path, max(self.cpus.values()) + 1).close()
+                CpuBoard.create(self.board_path, max(map(max, self.cpus.values())) + 1).close()
             self._spawn(self.router)
             for w in self.workers:
                 self._spawn(w)
@@ -329,12 +332,12 @@ class Cluster:
                 env["OMP_WAIT_POLICY"] = "PASSIVE"
             elif child.name in self.lent:   # a borrowed CPU's thread stops spinning soon after its pass
                 env["GOMP_SPINCOUNT"] = str(LENDING_SPIN_COUNT)
-        cpu = self.cpus.get(child.name)
+        cpus = self.cpus.get(child.name)
         with open(child.log_path, "ab") as log:
             child.popen = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
-                preexec_fn=_die_with_parent if cpu is None else _pinned_child({cpu} | self.lent.get(child.name, set())))
+                preexec_fn=_die_with_parent if cpus is None else _pinned_child(set(cpus) | self.lent.get(child.name, set())))
 
     def wait_ready(self) -> None:
         """Block until every worker is CONNECTED at the router. Raises `LaunchError`."""

@@ -153,9 +153,9 @@ def test_workers_are_pinned_as_asked(cluster):
         allowed = re.search(r"^Cpus_allowed_list:\s*(\S+)$",
                             Path(f"/proc/{w.pid}/status").read_text(), re.M).group(1)
         if cluster.config.cpu_affinity:
-            assert allowed == str(cluster.cpus[w.name]), w.name
+            assert allowed == ",".join(map(str, cluster.cpus[w.name])), w.name
     if cluster.config.cpu_affinity:   # each lends its CPU to the other while it waits for work
-        assert cluster.cpus == {"decode-0": 0, "decode-1": 1}
+        assert cluster.cpus == {"decode-0": (0,), "decode-1": (1,)}
         assert cluster.lent == {"decode-0": {1}, "decode-1": {0}}
 
 

@@ -152,7 +152,11 @@ def test_the_launcher_lends_each_pinned_worker_the_others_cpus(tmp_path, monkeyp
     for w in c.workers:
         assert w.argv[w.argv.index("--cpu-board") + 1] == str(tmp_path / "cpu-board")
     assert [w.argv[w.argv.index("--borrow-cpus") + 1] for w in c.workers] == ["1", "0"]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    c = Cluster(LauncherConfig(cpu_affinity=(0, 1, 2, 3), threads=2, log_dir=str(tmp_path)))
+    assert c.cpus == {"prefill-0": (0, 1), "decode-0": (2, 3)}   # two CPUs of its own each
+    assert c.lent == {"prefill-0": {2, 3}, "decode-0": {0, 1}}
     for kw in ({}, {"cpu_affinity": (0,), "num_decode": 2}, {"cpu_affinity": (0, 1), "lend_idle_cpus": False},
-               {"cpu_affinity": (0, 1, 2), "decode_tp": (2,)}):
-        c = Cluster(LauncherConfig(log_dir=str(tmp_path), **kw))   # unpinned, a shared CPU, off, TP
+               {"cpu_affinity": (0, 1, 2), "decode_tp": (2,)}, {"cpu_affinity": (0, 1, 2), "threads": 2}):
+        c = Cluster(LauncherConfig(log_dir=str(tmp_path), **kw))   # unpinned, a shared CPU, off, TP, overlap
         assert c.lent == {} and not any("--cpu-board" in w.argv for w in c.workers)

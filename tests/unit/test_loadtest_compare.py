@@ -61,9 +61,15 @@ def test_launcher_serving_modes_and_pinning(tmp_path):
     c = Cluster(LauncherConfig(num_prefill=0, num_decode=3, serving_mode="colocated",
                                cpu_affinity=(0,), log_dir=str(tmp_path)))
     assert [w.name for w in c.workers] == ["decode-0", "decode-1", "decode-2"]
-    assert c.cpus == {"decode-0": 0, "decode-1": 0, "decode-2": 0}
+    assert c.cpus == {"decode-0": (0,), "decode-1": (0,), "decode-2": (0,)}
     argv = c.router.argv
     assert argv[argv.index("--serving-mode") + 1] == "colocated"
+    # a worker of N threads is pinned to N CPUs: one worker of two threads on two CPUs gets both
+    one = Cluster(LauncherConfig(num_prefill=0, num_decode=1, serving_mode="colocated", threads=2,
+                                 cpu_affinity=(0, 1), log_dir=str(tmp_path)))
+    assert one.cpus == {"decode-0": (0, 1)} and one.oversubscribed() == set()
+    three = Cluster(LauncherConfig(num_decode=2, threads=2, cpu_affinity=(0, 1), log_dir=str(tmp_path)))
+    assert three.cpus == {"prefill-0": (0, 1), "decode-0": (0, 1), "decode-1": (0, 1)}   # cycling
 
 
 def test_launcher_gives_workers_sharing_cpus_the_passive_wait(tmp_path, monkeypatch):
