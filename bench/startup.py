@@ -8,11 +8,12 @@ from launch to its "pdserve is up" line (every worker registered and ready), and
 
 - ``eager``: ``--attention-backend grouped``: nothing is compiled (no dynamo, no inductor);
 - ``compiled``: the defaults (``--attention-backend auto``): each worker builds its compiled
-  attention kernels (`worker.runtime.warm_kernel_alone`) before it registers, from inductor's
-  on-disk cache (one untimed ``compiled`` start first fills it, unless ``--no-prime``).
+  attention kernels (`worker.runtime.warm_kernel_alone`) before it registers, loading the
+  AOTInductor packages kept on disk (`engine.aot_kernel`; one untimed ``compiled`` start first
+  builds any missing, unless ``--no-prime``).
 
-``--cold`` adds one ``compiled`` start with an empty inductor cache (a fresh
-``TORCHINDUCTOR_CACHE_DIR``): what the first start on a machine costs.
+``--cold`` adds one ``compiled`` start with an empty cache (a fresh ``TORCHINDUCTOR_CACHE_DIR``,
+where the packages live): what the first start on a machine costs.
 
 Prints one row per start (seconds to "pdserve is up", and the kernel build seconds each worker
 logged), the medians and the ratio compiled / eager; writes them to ``--json``. The engine issue's
@@ -37,7 +38,7 @@ CONFIGS = {"eager": ("--attention-backend", "grouped"), "compiled": ()}
 
 
 def kernel_builds(log_dir: Path) -> dict[str, float]:
-    """``{"<worker log stem>/<kernel>": seconds}`` from the workers' "built in" lines under
+    """``{"<worker log stem>/<kernel>": seconds}`` from the workers' "ready in" lines under
     ``log_dir`` (`worker.runtime._set_attention_kernels` logs one per kernel)."""
     out = {}
     for path in sorted(log_dir.glob("*.log")):

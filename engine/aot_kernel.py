@@ -44,6 +44,8 @@ def cache_dir() -> Path:
     """Where packages are kept: ``$TORCHINDUCTOR_CACHE_DIR/pdserve-aot``, else inductor's
     default cache directory (``<tmp>/torchinductor_<user>``, as
     ``torch._inductor.runtime.cache_dir_utils.default_cache_dir`` names it) + ``/pdserve-aot``."""
+    # computed here: importing torch._inductor's own helper would import dynamo and inductor,
+    # what loading a package avoids
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not base:
         try:
@@ -126,8 +128,8 @@ def load_or_build(name: str, params: dict, sources: list[str | Path],
                   export: Callable[[], "torch.export.ExportedProgram"]) -> AotPackage:
     """The package of kernel ``name`` with ``params`` (`package_key`) for the current thread
     count: loaded from `cache_dir` when there, else ``export()`` (a ``torch.export`` program of
-    the kernel) compiled by AOTInductor (`configure_inductor`), stored, then loaded. A stored package the runtime refuses (truncated, say) is built again,
-    with a warning. Raises whatever export or inductor raise where they cannot build (no C++
+    the kernel) compiled by AOTInductor (`configure_inductor`), stored, then loaded. A stored
+    package the runtime refuses (truncated, say) is built again, with a warning. Raises whatever export or inductor raise where they cannot build (no C++
     compiler, an operator export does not take), and OSError when the cache cannot be written."""
     t0 = time.perf_counter()
     directory = cache_dir()
@@ -141,3 +143,16 @@ def load_or_build(name: str, params: dict, sources: list[str | Path],
             path.unlink(missing_ok=True)
     _build(path, export)
     return AotPackage(path, True, time.perf_counter() - t0)
+
+
+def package_for(packages: dict[tuple, AotPackage], name: str, key: tuple, sources: list[str | Path],
+                export: Callable[[], "torch.export.ExportedProgram"]) -> AotPackage:
+    """A kernel's package for its static ``key`` (sizes, strides, dtypes, constants: whatever the
+    exported program fixes) on the current thread count, kept in ``packages`` under
+    ``(threads, *key)`` for the calls after this one; the first loads or builds it
+    (`load_or_build`, the key as its parameters). Raises as `load_or_build`."""
+    full = (torch.get_num_threads(), *key)
+    package = packages.get(full)
+    if package is None:
+        package = packages[full] = load_or_build(name, {"key": list(key)}, sources, export)
+    return package

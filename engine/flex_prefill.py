@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.aot_kernel import AotPackage, load_or_build
+from engine.aot_kernel import AotPackage, package_for
 
 BLOCK = 64
 """Rows (queries) and columns (keys) of one block of the causal block mask."""
@@ -96,16 +96,10 @@ class CompiledPrefill:
     def package(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device | str,
                 scale: float | None) -> AotPackage:
         """The package for queries of ``dtype`` with these head counts and size on the current
-        thread count: kept, loaded or built (`engine.aot_kernel.load_or_build`)."""
-        key = (torch.get_num_threads(), dtype, heads, kv_heads, head_dim, str(device), scale)
-        package = self.packages.get(key)
-        if package is None:
-            params = {"dtype": str(dtype), "heads": [heads, kv_heads, head_dim], "device": str(device),
-                      "scale": scale, "block": BLOCK}
-            package = self.packages[key] = load_or_build(
-                "flex_prefill", params, [__file__],
-                lambda: _export_prefill(dtype, heads, kv_heads, head_dim, device, scale))
-        return package
+        thread count: kept, loaded or built (`engine.aot_kernel.package_for`)."""
+        key = (dtype, heads, kv_heads, head_dim, str(device), scale, BLOCK)
+        return package_for(self.packages, "flex_prefill", key, [__file__],
+                           lambda: _export_prefill(dtype, heads, kv_heads, head_dim, device, scale))
 
     def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu", scale: float | None = None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.aot_kernel import AotPackage, load_or_build
+from engine.aot_kernel import AotPackage, package_for
 from engine.attention import ForwardBatch
 
 
@@ -94,18 +94,11 @@ class CompiledDecode:
     def package(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int | None,
                 scale: float | None, softcap: float | None) -> AotPackage:
         """The package for these operands (``q`` ``[D, heads, head_dim]``, one layer's pools) on
-        the current thread count: kept, loaded or built (`engine.aot_kernel.load_or_build`)."""
-        key = (torch.get_num_threads(), q.dtype, q.shape[1:], k_pool.dtype, k_pool.shape, k_pool.stride(),
-               v_pool.stride(), window, scale, softcap)
-        package = self.packages.get(key)
-        if package is None:
-            params = {"q": [str(q.dtype), list(q.shape[1:])], "pool": [str(k_pool.dtype), list(k_pool.shape)],
-                      "strides": [list(k_pool.stride()), list(v_pool.stride())],
-                      "window": window, "scale": scale, "softcap": softcap}
-            package = self.packages[key] = load_or_build(
-                "paged_decode", params, [__file__],
-                lambda: _export_decode(q, k_pool, v_pool, window, scale, softcap))
-        return package
+        the current thread count: kept, loaded or built (`engine.aot_kernel.package_for`)."""
+        key = (q.dtype, q.shape[1:], k_pool.dtype, k_pool.shape, k_pool.stride(), v_pool.stride(), window,
+               scale, softcap)
+        return package_for(self.packages, "paged_decode", key, [__file__],
+                           lambda: _export_decode(q, k_pool, v_pool, window, scale, softcap))
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                  window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
