@@ -33,7 +33,7 @@ from pathlib import Path
 from bench.common import arg_parser, write_json
 from loadtest.compare import Server, _pdserve_command
 
-BUILT = re.compile(r"(prompt attention|decode attention): compiled .* ready in ([0-9.]+) s")
+BUILT = re.compile(r"(prompt attention|decode attention|layer operators): compiled .* ready in ([0-9.]+) s")
 CONFIGS = {"eager": ("--attention-backend", "grouped"), "compiled": ()}
 
 

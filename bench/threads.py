@@ -2,7 +2,7 @@
 neighbour, and with threads chosen per pass (`engine.runner.ModelRunner`'s ``parallel_min_tokens``).
 
     python -m bench.threads [--weights native] [--attention-backend auto|grouped] [--reps 7]
-                            [--compiled] [--tp N] [--json PATH]
+                            [--compiled] [--tp N] [--eager-ops] [--json PATH]
 
 Each row times one kind of pass of the default model through a `ModelRunner` (median of
 ``--reps``, after a warm-up): a prefill chunk of 256 prompt tokens, and decode steps of 1, 8 and
@@ -17,6 +17,10 @@ or SDPA over gathered K/V (``grouped``). Columns, side by side in one run:
 - ``1t+busy``: one thread pinned to CPU 1 beside that neighbour;
 - ``per pass+busy``: two threads for passes of at least ``--parallel-min-tokens`` tokens, one
   below (the workers' default), beside the neighbour.
+- with ``--eager-ops``: ``1t eager ops`` / ``2t eager ops``, the first two columns again with the
+  operators between the matmuls eager instead of the fused packages a worker runs
+  (`engine.glue.CompiledGlue`, part of ``--attention-backend auto``'s kernels), timed beside
+  them (1t eager ops before 1t, 2t after 2t: neither side always first).
 
 - with ``--tp N``: ``TP<N>``: the model sharded over N processes of one thread each (`engine.tp`;
   two all-reduces per layer over gloo on 127.0.0.1). SmolLM2-135M's 9 heads split 3 ways only: on
@@ -41,6 +45,7 @@ from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.flex_prefill import CompiledPrefill
+from engine.glue import CompiledGlue
 from engine.kv_cache import KVPool
 from engine.loader import load_model, make_pool
 from engine.paged_decode import CompiledDecode
@@ -88,14 +93,17 @@ def time_passes(runner: ModelRunner, pool: KVPool, reps: int, context: int = CON
     return out
 
 
-def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2)) -> float:
-    """Give ``model`` the compiled attention kernels a CPU decode worker runs by default
+def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2), glue: bool = True) -> float:
+    """Give ``model`` the compiled kernels a CPU decode worker runs by default
     (``--attention-backend auto``: `CompiledDecode` for decode rows, `CompiledPrefill` for prompt
-    chunks), each built alone for every torch thread count in ``counts`` as a worker builds them
-    (`worker.runtime.warm_kernel_alone`); returns the seconds the builds took. Raises inductor's
-    errors where it cannot build here."""
-    return sum(warm_kernel_alone(model, pool, attr, kind(), counts)
-               for attr, kind in (("decode_kernel", CompiledDecode), ("prefill_kernel", CompiledPrefill)))
+    chunks, and with ``glue`` where the model takes it `CompiledGlue` for the operators between
+    the matmuls), each built alone for every torch thread count in ``counts`` as a worker builds
+    them (`worker.runtime.warm_kernel_alone`); returns the seconds the builds took. Raises
+    inductor's errors where it cannot build here."""
+    kinds = [("decode_kernel", CompiledDecode), ("prefill_kernel", CompiledPrefill)]
+    if glue and model.glue_applies():
+        kinds.append(("glue", CompiledGlue))
+    return sum(warm_kernel_alone(model, pool, attr, kind(), counts) for attr, kind in kinds)
 
 
 def _run(runner: ModelRunner, pool: KVPool, chunks: list[SeqChunk]) -> None:
@@ -116,6 +124,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "grouped"],
                     help="auto (default): the compiled attention kernels a CPU worker runs; grouped: "
                          "SDPA over gathered K/V")
+    ap.add_argument("--eager-ops", action="store_true",
+                    help="also 1t and 2t with the operators between the matmuls eager (no engine.glue packages)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
@@ -143,8 +153,20 @@ def main(argv=None) -> dict:
             if neighbour:
                 neighbour.stop()
 
-    run("1t", 1)
-    run("2t", 2)
+    def eager_ops(name, threads):   # the same column without the fused operators
+        kept, loaded.model.glue = loaded.model.glue, None
+        try:
+            run(name, threads)
+        finally:
+            loaded.model.glue = kept
+
+    eager = args.eager_ops and loaded.model.glue is not None
+    for threads in (1, 2):   # with --eager-ops, each eager column beside its fused one, in turn
+        for order in range(2 if eager else 1):
+            if eager and order == (threads == 2):
+                eager_ops(f"{threads}t eager ops", threads)
+            else:
+                run(f"{threads}t", threads)
     run("2t+busy", 2, busy=True)
     run("1t+busy", 1, busy=True, pin=cpus[1])
     run("per pass+busy", 2, per_pass=args.parallel_min_tokens, busy=True)

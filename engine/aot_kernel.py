@@ -1,5 +1,6 @@
 """Kernels compiled ahead of time by AOTInductor and kept on disk, for the CPU attention kernels
-(`engine.paged_decode.CompiledDecode`, `engine.flex_prefill.CompiledPrefill`).
+(`engine.paged_decode.CompiledDecode`, `engine.flex_prefill.CompiledPrefill`) and the operators
+between a layer's matmuls (`engine.glue.CompiledGlue`).
 
 A kernel is a ``torch.nn.Module`` exported with ``torch.export`` (dynamic sizes where the kernel
 takes any) and compiled by ``torch._inductor.aoti_compile_and_package`` into a package (a ``.pt2``

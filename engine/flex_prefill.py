@@ -63,11 +63,12 @@ class CompiledPrefill:
     start-up, its time logged by the worker); ``packages`` holds them, by key.
 
     ``min_tokens``: chunks shorter than this go to SDPA instead (`engine.attention.paged_attention`
-    asks `takes`): below it the compiled call's fixed cost ate the gain (measured:
-    docs/PERFORMANCE.md, "Prefill attention through FlexAttention").
+    asks `takes`): below it the package's call and copies eat the gain (measured:
+    docs/PERFORMANCE.md, "Prefill attention through FlexAttention", and for 128 since the kernel
+    is a package, "The operators between the matmuls, fused").
     """
 
-    min_tokens = 192
+    min_tokens = 128
     MASKS = 64
     """Block masks kept by `mask`."""
 

@@ -28,6 +28,7 @@ from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
+from engine.glue import CompiledGlue
 from engine.paged_decode import CompiledDecode
 from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
@@ -140,7 +141,8 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     """A CPU worker's compiled attention kernels (``config.attention_backend`` "compiled" or
     "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
     worker's attention of prompt chunks (`engine.flex_prefill.CompiledPrefill`;
-    a decode worker runs prompt passes when serving colocated). Each is loaded from the disk
+    a decode worker runs prompt passes when serving colocated), with the fused operators between
+    the matmuls (`engine.glue.CompiledGlue`) where the model's layers take them (``glue_applies``). Each is loaded from the disk
     cache or built now (`engine.aot_kernel`), alone (the other detached during its warm-up), once
     per thread count a pass it serves may run on
     (`_pass_thread_counts`), its time logged. When inductor
@@ -152,6 +154,8 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", CompiledPrefill.min_tokens)]
     if config.role == "decode":
         kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", CompiledDecode.min_rows))
+    if getattr(model, "glue_applies", lambda: False)():
+        kernels.append(("glue", CompiledGlue, "layer operators", "eager operators", CompiledGlue.min_rows))
     for attr, kind, what, fallback, shortest in kernels:
         kernel, counts = kind(), _pass_thread_counts(config, shortest)
         try:
@@ -171,7 +175,7 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
                  len(packages) - built, aot_cache_dir())
 
 
-KERNEL_ATTRS = ("prefill_kernel", "decode_kernel")   # a model's compiled attention kernels
+KERNEL_ATTRS = ("prefill_kernel", "decode_kernel", "glue")   # a model's compiled kernels
 
 
 def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] | tuple[int, ...]) -> float:
@@ -182,7 +186,7 @@ def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] 
     thread count and the other kernels are restored on return. Raises whatever the build raises
     (inductor's errors where it cannot build CPU code), ``model.<attr>`` then None."""
     threads = torch.get_num_threads()
-    others = {a: getattr(model, a) for a in KERNEL_ATTRS if a != attr}
+    others = {a: getattr(model, a, None) for a in KERNEL_ATTRS if a != attr}
     setattr(model, attr, kernel)
     for a in others:
         setattr(model, a, None)

@@ -149,8 +149,30 @@ class LlamaModel:
         self.prefill_kernel = None
         """`engine.flex_prefill.CompiledPrefill` for the CPU attention of prompt chunks
         (``--attention-backend compiled``, set by `worker.runtime`); None: SDPA."""
+        self.glue = None
+        """`engine.glue.CompiledGlue` for the rotary embedding, the residual add + RMSNorm and
+        SiLU x up of passes of two tokens and more (set by `worker.runtime` with the attention
+        kernels; used where `glue_applies`); None: the eager operators."""
+        self._glue_applies: bool | None = None
         if compiled:
             self._compile()
+
+    def glue_applies(self) -> bool:
+        """Whether `glue` (`engine.glue.CompiledGlue`) can take this model's operators between the
+        matmuls: low-precision activations (bfloat16) on the CPU, the KV cache in their dtype, one
+        rank, whole-head rotary, a SiLU-gated MLP, and no QKV bias, Q/K norm, post-norm or routed
+        experts (the layers of SmolLM2 and Llama, not Qwen2's, Qwen3's or Gemma's). float32 mode,
+        the reference, keeps the eager operators."""
+        if self._glue_applies is None:   # the layers are built: decided once
+            c = self.config
+            self._glue_applies = (
+                self.device.type == "cpu" and self.dtype != torch.float32 and self.kv_dtype == self.dtype
+                and self.tp.size == 1 and (c.rotary_dim or c.head_dim) == c.head_dim and c.hidden_act == "silu"
+                and all(e.bqkv is None and e.qk_norm is None for e in self._extras)
+                and all(a is None and f is None for a, f in self._post_norms)
+                and all(e is None for e in self._experts)
+                and all(a is not None and f is not None and a.dim() == f.dim() == 1 for a, f in self._norms))
+        return self._glue_applies
 
     def kv_layers(self) -> list[LayerKV]:
         """Every layer stores ``num_kv_heads`` K and V heads of ``head_dim`` per token (with
@@ -208,22 +230,32 @@ class LlamaModel:
         t = h.shape[0]
         kv_cast, q_cast = self.kv_dtype != self.dtype, self.attn_dtype != self.dtype
         qk_size, heads = self._q_size + self._kv_size, c.num_heads + c.num_kv_heads
+        glue = self.glue
+        if compiled or glue is None or not glue.takes(t) or not self.glue_applies():
+            glue = None
+        x = None   # the next layer's normed input, when the glue computed it with the residual add
         for i, ((attn_norm, ffn_norm), (post_attn, post_ffn), lin, extra, experts) in enumerate(
                 zip(self._norms, self._post_norms, self._layers, self._extras, self._experts)):
-            x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
+            if x is None:
+                x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = self._mm(lin.wqkv, x, compiled)
-            if extra.bqkv is not None:
-                qkv = qkv + extra.bqkv
-            qk = qkv[:, :qk_size].view(t, heads, c.head_dim)
-            if extra.qk_norm is not None:   # Qwen3, Gemma 3: RMSNorm per head, Q's weight and K's
-                qk = _rms_norm(qk, (c.head_dim,), extra.qk_norm, c.rms_norm_eps)
-            qk = _rotate(qk, *tables[self._layer_rope[i]])   # Q and K heads at once
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
-            if kv_cast:   # attention on the K/V as stored (paged_attention casts them to q's dtype)
-                k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
-            if q_cast:
-                q = q.to(self.attn_dtype)
+            if glue is not None:   # the rotation and Q's cast fused (engine.glue)
+                q, k = glue.rope_split(qkv, *tables[self._layer_rope[i]], c.num_heads, c.num_kv_heads,
+                                       c.head_dim, self.attn_dtype)
+            else:
+                if extra.bqkv is not None:
+                    qkv = qkv + extra.bqkv
+                    v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
+                qk = qkv[:, :qk_size].view(t, heads, c.head_dim)
+                if extra.qk_norm is not None:   # Qwen3, Gemma 3: RMSNorm per head, Q's weight and K's
+                    qk = _rms_norm(qk, (c.head_dim,), extra.qk_norm, c.rms_norm_eps)
+                qk = _rotate(qk, *tables[self._layer_rope[i]])   # Q and K heads at once
+                q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+                if kv_cast:   # attention on the K/V as stored (paged_attention casts them to q's dtype)
+                    k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+                if q_cast:
+                    q = q.to(self.attn_dtype)
             if compiled:
                 attn = torch.ops.pdserve.attention(q.contiguous(), k.contiguous(), v.contiguous(), i)
             else:
@@ -235,17 +267,26 @@ class LlamaModel:
                 out = out + extra.bo
             if post_attn is not None:   # Gemma: the attention output normed before the residual add
                 out = _rms_norm(out, (c.hidden_size,), post_attn, c.rms_norm_eps)
-            h = h + out
-            x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
+            if glue is not None:
+                h, x = glue.add_norm(h, out, ffn_norm, c.rms_norm_eps)
+            else:
+                h = h + out
+                x = _rms_norm(h, (c.hidden_size,), ffn_norm, c.rms_norm_eps)
             if experts is not None:
                 out = self._mm(experts, x, compiled)
+            elif glue is not None:
+                out = self._mm(lin.w_down, glue.silu_mul(self._mm(lin.w_gate_up, x, compiled)), compiled)
             else:
                 gate, up = self._mm(lin.w_gate_up, x, compiled).chunk(2, dim=-1)
                 out = self._mm(lin.w_down, self._act(gate) * up, compiled)
             out = self.tp.all_reduce(out)
             if post_ffn is not None:
                 out = _rms_norm(out, (c.hidden_size,), post_ffn, c.rms_norm_eps)
-            h = h + out
+            x = None
+            if glue is not None and i + 1 < len(self._layers):   # with the next layer's input norm
+                h, x = glue.add_norm(h, out, self._norms[i + 1][0], c.rms_norm_eps)
+            else:
+                h = h + out
         h = _rms_norm(h.index_select(0, logits_indices), (c.hidden_size,), self._final_norm, c.rms_norm_eps)
         if self.quantized:   # HeadLinear returns its rows' dtype: float32 rows keep the logits' precision
             h = h.float()
@@ -273,11 +314,16 @@ class LlamaModel:
         (0.0 when nothing is compiled). With a `decode_kernel` (`engine.paged_decode.CompiledDecode`), its package
         too (loaded or built), by a decode pass of as many sequences as it takes (its ``min_rows``);
         with a `prefill_kernel` (`engine.flex_prefill.CompiledPrefill`), its package (its
-        ``warm_up``, on this model's head shapes). Raises ValueError
-        when ``pool`` has fewer than two free blocks."""
-        if self._compiled_layers is None and self.decode_kernel is None and self.prefill_kernel is None:
+        ``warm_up``, on this model's head shapes); with a `glue` that applies here, its packages
+        (its ``warm_up``). Raises ValueError when ``pool`` has fewer than two free blocks."""
+        glue = self.glue if self.glue is not None and self.glue_applies() else None
+        if self._compiled_layers is None and self.decode_kernel is None and self.prefill_kernel is None and glue is None:
             return 0.0
         t0 = time.perf_counter()
+        if glue is not None:
+            c = self._local
+            glue.warm_up(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype,
+                         self.attn_dtype, self._norms[0][0].dtype, c.rms_norm_eps)
         if self.prefill_kernel is not None:
             c = self._local
             self.prefill_kernel.warm_up(c.num_heads, c.num_kv_heads, c.head_dim, self.attn_dtype, self.device,
