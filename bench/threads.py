@@ -160,13 +160,14 @@ def main(argv=None) -> dict:
         finally:
             loaded.model.glue = kept
 
-    eager = args.eager_ops and loaded.model.glue is not None
-    for threads in (1, 2):   # with --eager-ops, each eager column beside its fused one, in turn
-        for order in range(2 if eager else 1):
-            if eager and order == (threads == 2):
-                eager_ops(f"{threads}t eager ops", threads)
-            else:
-                run(f"{threads}t", threads)
+    if args.eager_ops and loaded.model.glue is not None:   # each beside its fused column, in turn first
+        eager_ops("1t eager ops", 1)
+        run("1t", 1)
+        run("2t", 2)
+        eager_ops("2t eager ops", 2)
+    else:
+        run("1t", 1)
+        run("2t", 2)
     run("2t+busy", 2, busy=True)
     run("1t+busy", 1, busy=True, pin=cpus[1])
     run("per pass+busy", 2, per_pass=args.parallel_min_tokens, busy=True)

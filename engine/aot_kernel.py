@@ -130,8 +130,9 @@ def load_or_build(name: str, params: dict, sources: list[str | Path],
     """The package of kernel ``name`` with ``params`` (`package_key`) for the current thread
     count: loaded from `cache_dir` when there, else ``export()`` (a ``torch.export`` program of
     the kernel) compiled by AOTInductor (`configure_inductor`), stored, then loaded. A stored
-    package the runtime refuses (truncated, say) is built again, with a warning. Raises whatever export or inductor raise where they cannot build (no C++
-    compiler, an operator export does not take), and OSError when the cache cannot be written."""
+    package the runtime refuses (truncated, say) is built again, with a warning. Raises whatever
+    export or inductor raise where they cannot build (no C++ compiler, an operator export does not
+    take), and OSError when the cache cannot be written."""
     t0 = time.perf_counter()
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)

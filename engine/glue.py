@@ -16,6 +16,7 @@ import torch
 
 from engine.aot_kernel import AotPackage, package_for
 
+
 class _RopeSplit(torch.nn.Module):
     """`engine.models.llama._rotate` of a pass's Q and K heads (the "rotate half" convention,
     ``x * cos + cat(x2, x1) * signed_sin``, the same products and sum in the same order as its
@@ -62,9 +63,9 @@ class _SiluMul(torch.nn.Module):
 class CompiledGlue:
     """The fused operators of a layer (module docstring), each one AOTInductor package for every
     pass of at least `min_rows` tokens (rows dynamic), per torch thread count, dtypes, widths, head
-    shape and epsilon, loaded from the disk cache or built at its first call (`warm_up` makes the calls
-    at start-up; `engine.aot_kernel.package_for`); ``packages`` holds them, by key. Inputs are
-    contiguous, as the model's pass makes them.
+    shape and epsilon, loaded from the disk cache or built at its first call (`warm_up` makes the
+    calls at start-up; `engine.aot_kernel.package_for`); ``packages`` holds them, by key. Inputs
+    are contiguous, as the model's pass makes them.
 
     Raises (from the call that builds a package): ``torch.export`` / inductor errors where
     inductor cannot build CPU code (no C++ compiler); `worker.runtime` turns them into a warning
@@ -86,12 +87,13 @@ class CompiledGlue:
                    kv_heads: int, head_dim: int, q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``qkv`` ``[T, (heads + 2 * kv_heads) * head_dim]`` (the fused projection's output,
         Q heads, K heads, V heads), rotary tables ``cos``, ``signed_sin`` ``[T, 1, head_dim]`` of
-        ``qkv``'s dtype (`engine.models.rope.Rope.cos_sin`, whole-head rotation) -> rotated Q
+        ``qkv``'s dtype (`engine.models.rope.RotaryEmbedding.cos_sin`, whole-head rotation) -> rotated Q
         ``[T, heads, head_dim]`` in ``q_dtype`` and rotated K ``[T, kv_heads, head_dim]`` in
         ``qkv``'s dtype, both contiguous."""
         key = ("rope_split", qkv.dtype, qkv.shape[1], cos.dtype, heads, kv_heads, head_dim, q_dtype)
+        module = _RopeSplit(heads, kv_heads, head_dim, q_dtype)
         package = package_for(self.packages, "glue_rope", key, [__file__],
-                              lambda: _export(_RopeSplit(heads, kv_heads, head_dim, q_dtype), (qkv, cos, signed_sin)))
+                              lambda: _export(module, (qkv, cos, signed_sin)))
         q, k = package(qkv, cos, signed_sin)
         return q, k
 
@@ -110,7 +112,8 @@ class CompiledGlue:
         """``[T, 2 * intermediate]`` (gate columns, then up) -> ``silu(gate) * up``
         ``[T, intermediate]`` in ``gate_up``'s dtype."""
         key = ("silu_mul", gate_up.dtype, gate_up.shape[1])
-        package = package_for(self.packages, "glue_silu_mul", key, [__file__], lambda: _export(_SiluMul(), (gate_up,)))
+        package = package_for(self.packages, "glue_silu_mul", key, [__file__],
+                              lambda: _export(_SiluMul(), (gate_up,)))
         return package(gate_up)[0]
 
     def warm_up(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
@@ -132,4 +135,5 @@ def _export(module: torch.nn.Module, example: tuple[torch.Tensor, ...]):
     rows of every operand that has them (all but a 1-D weight) dynamic from `min_rows` up."""
     rows = torch.export.Dim("rows", min=CompiledGlue.min_rows)
     args = tuple(torch.zeros(x.shape if x.dim() == 1 else (5, *x.shape[1:]), dtype=x.dtype) for x in example)
-    return torch.export.export(module, args, dynamic_shapes=tuple(None if x.dim() == 1 else {0: rows} for x in args))
+    dynamic = tuple(None if x.dim() == 1 else {0: rows} for x in args)
+    return torch.export.export(module, args, dynamic_shapes=dynamic)

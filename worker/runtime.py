@@ -142,9 +142,9 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
     worker's attention of prompt chunks (`engine.flex_prefill.CompiledPrefill`;
     a decode worker runs prompt passes when serving colocated), with the fused operators between
-    the matmuls (`engine.glue.CompiledGlue`) where the model's layers take them (``glue_applies``). Each is loaded from the disk
-    cache or built now (`engine.aot_kernel`), alone (the other detached during its warm-up), once
-    per thread count a pass it serves may run on
+    the matmuls (`engine.glue.CompiledGlue`) where the model's layers take them (``glue_applies``).
+    Each is loaded from the disk cache or built now (`engine.aot_kernel`), alone (the others
+    detached during its warm-up), once per thread count a pass it serves may run on
     (`_pass_thread_counts`), its time logged. When inductor
     cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming
     the cause) and "auto" logs a warning with the cause and keeps SDPA / the grouped path. CUDA

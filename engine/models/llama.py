@@ -239,19 +239,19 @@ class LlamaModel:
             if x is None:
                 x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = self._mm(lin.wqkv, x, compiled)
-            v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
             if glue is not None:   # the rotation and Q's cast fused (engine.glue)
                 q, k = glue.rope_split(qkv, *tables[self._layer_rope[i]], c.num_heads, c.num_kv_heads,
                                        c.head_dim, self.attn_dtype)
+                v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
             else:
                 if extra.bqkv is not None:
                     qkv = qkv + extra.bqkv
-                    v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
                 qk = qkv[:, :qk_size].view(t, heads, c.head_dim)
                 if extra.qk_norm is not None:   # Qwen3, Gemma 3: RMSNorm per head, Q's weight and K's
                     qk = _rms_norm(qk, (c.head_dim,), extra.qk_norm, c.rms_norm_eps)
                 qk = _rotate(qk, *tables[self._layer_rope[i]])   # Q and K heads at once
                 q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+                v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
                 if kv_cast:   # attention on the K/V as stored (paged_attention casts them to q's dtype)
                     k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
                 if q_cast:
