@@ -83,9 +83,15 @@ class RouterConfig:
             served colocated (0: never; must be 0 in the other modes).
         auto_prefill_backlog_tokens: in ``"auto"`` mode, a prompt at or above the threshold is
             served colocated too while every prefill worker has at least this many prompt tokens
-            in flight from this router (0: never; ignored in the other modes; `router.serving`).
-            The default is 1024 (what that is in prefill time on one core: docs/PERFORMANCE.md,
-            "Serving modes: auto mode's prefill backlog rule").
+            in flight from this router and a decode worker's queue is the shorter wait (0: never;
+            ignored in the other modes; `router.serving.colocate_on_placement`). The default is
+            1024 (what that is in prefill time on one core: docs/PERFORMANCE.md, "Serving modes:
+            auto mode's prefill backlog rule").
+        auto_decode_prefill_speed: in ``"auto"`` mode, a decode worker's prefill rate as a
+            fraction of a prefill worker's (its prompt chunks share passes with decode steps):
+            its queue of colocated prompt tokens counts this much longer against a prefill
+            worker's backlog (`router.serving.colocate_on_placement`; measured:
+            docs/PERFORMANCE.md, "Auto mode: the path chosen at placement"). More than 0.
         prefill_warmup: after a disaggregated request finished, ask its prefill worker (when it
             has a prefix cache) to warm its cache with the prompt + output (``Prefill.Warm``), so
             a conversation's next turn computes only the new message there. Costs prefill
@@ -124,6 +130,7 @@ class RouterConfig:
     serving_mode: str = "disaggregated"
     colocated_threshold_tokens: int = 0
     auto_prefill_backlog_tokens: int = 1024
+    auto_decode_prefill_speed: float = 0.5
     prefill_warmup: bool = True
 
     @property
@@ -158,6 +165,8 @@ class RouterConfig:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.auto_prefill_backlog_tokens < 0:
             raise ValueError(f"auto_prefill_backlog_tokens must be >= 0, got {self.auto_prefill_backlog_tokens}")
+        if not self.auto_decode_prefill_speed > 0:
+            raise ValueError(f"auto_decode_prefill_speed must be > 0, got {self.auto_decode_prefill_speed}")
         for name in ("prefill_inflight_tokens", "decode_inflight_requests", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -19,7 +19,8 @@ Lifecycle of a request (`Orchestrator.generate`, an async iterator of `Delta`):
               then the decode worker with ``writer_stopped`` true only when the writer is known
               to have stopped (Prefill answered, or acknowledged the Abort).
 
-Colocated path (`router.serving` decides per request): ``ServeColocated`` on one decode worker under
+Colocated path (`router.serving` decides per request; in ``auto`` mode, for a prompt either path
+may serve, when it is placed): ``ServeColocated`` on one decode worker under
 its limit of in-flight requests (``decode_inflight_requests``), placed through the same queue;
 it prefills and decodes on its own pool (no reserve, no prefill worker); its stream is read like
 ``Decode``'s (first chunk = first token), and release is an ``Abort`` of the decode worker alone
@@ -44,7 +45,6 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -57,60 +57,16 @@ from router.errors import InvalidRequest, NoWorkers, UpstreamError
 from router.membership import Member, Membership
 from router.metrics import RouterMetrics
 from router.policy import Inflight, Policy, avoid_last, sequence_blocks
-from router.request import Attempt, Delta, GenerationRequest
-from router.serving import ServingPath, choose_path, prefill_backlogged
+from router.request import Attempt, Choice, Delta, GenerationRequest
+from router.serving import ServingPath, choose_path, colocate_on_placement
 from router.warmup import Warmups
 from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+
 class _Retry(Exception):
     """This placement failed in a way another pair may not; retry if attempts remain."""
-
-
-@dataclass
-class _Run:
-    """Output state of one choice of a request across attempts (``failed_workers`` is shared by
-    the request's choices)."""
-
-    req: GenerationRequest
-    detok: object
-    stop_ids: frozenset[int]
-    index: int = 0
-    generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    failed_workers: set[str] = field(default_factory=set)  # tried last on the next attempt
-    prompt_sent: bool = False   # prompt logprobs went out with the first delta (choice 0)
-    reported: bool = False      # the delta with finish_reason went out
-
-    def add(self, token: int, finish_reason: str | None) -> str:
-        """Append a token with the worker's finish reason for it ("" or None: running; the worker
-        decides stop tokens, max_tokens and the context, `engine.sequence.token_finish_reason`);
-        returns the text now safe to show (never a stop token's). Only stop strings end it here."""
-        self.generated.append(token)
-        if finish_reason == "stop":   # a stop token
-            self.finish_reason = "stop"
-            return self.detok.flush()
-        text = self.detok.add(token)
-        self.finish_reason = "stop" if self.detok.stopped_by is not None else (finish_reason or None)
-        if self.finish_reason is not None:
-            text += self.detok.flush()
-        return text
-
-    def delta(self, text: str, tokens: list[int], logprobs: list[pb.TokenLogprobs] = (),
-              prompt_logprobs=None) -> Delta:
-        if self.req.logprobs is not None and len(logprobs) != len(tokens):
-            raise UpstreamError(f"a worker sent {len(logprobs)} logprobs for {len(tokens)} tokens")
-        prompt = None
-        if self.req.prompt_logprobs is not None and self.index == 0 and not self.prompt_sent:
-            if len(prompt_logprobs or ()) != len(self.req.prompt_token_ids) - 1:
-                raise UpstreamError(f"a worker sent {len(prompt_logprobs or ())} prompt logprobs for a "
-                                    f"{len(self.req.prompt_token_ids)}-token prompt")
-            prompt, self.prompt_sent = tuple(prompt_logprobs), True
-        self.reported = self.finish_reason is not None
-        return Delta(text, tuple(tokens), self.finish_reason, len(self.req.prompt_token_ids),
-                     len(self.generated), tuple(logprobs) if self.req.logprobs is not None else (), prompt,
-                     self.index)
 
 
 _WRITE_MARGIN_S = 1.0   # the prefill stops posting this long before the decode lease ends
@@ -157,10 +113,9 @@ class Orchestrator:
         stop_ids = frozenset(req.stop_token_ids) | (
             frozenset() if req.ignore_eos else frozenset(self.tokenizer.stop_token_ids))
         failed: set[str] = set()
-        runs = [_Run(req, self.tokenizer.detokenizer(req.stop, req.min_tokens), stop_ids, index=i,
+        runs = [Choice(req, self.tokenizer.detokenizer(req.stop, req.min_tokens), stop_ids, index=i,
                      failed_workers=failed) for i in range(req.n)]
         path, hashes = self._path(req.prompt_token_ids)
-        self.metrics.requests_by_path.labels(path.value).inc()
         tries = failures = 0
         while True:
             todo = [r for r in runs if r.finish_reason is None]
@@ -189,10 +144,10 @@ class Orchestrator:
             if any(r.finish_reason is None for r in group):
                 raise UpstreamError(f"the stream of {rid} ended before its choices finished")
 
-    async def _attempt(self, rid: str, runs: list[_Run], path: ServingPath,
+    async def _attempt(self, rid: str, runs: list[Choice], path: ServingPath | None,
                        hashes: list[bytes] | None = None) -> AsyncIterator[Delta]:
         """One placement of ``runs``: every choice of a fresh request (forked from one prefill), or
-        one choice resumed alone."""
+        one choice resumed alone; on ``path``, or None: where `colocate_on_placement` says then."""
         lead = runs[0]
         prompt = list(lead.req.prompt_token_ids) + lead.generated
         remaining = lead.req.max_tokens - len(lead.generated)
@@ -200,9 +155,11 @@ class Orchestrator:
         attempt = Attempt(rid)
         attempt.hashes = hashes
         try:
-            if path is ServingPath.DISAGGREGATED:
-                await self.admission.acquire(
-                    lambda since: self._place(attempt, prompt, remaining, lead.failed_workers, since))
+            await self.admission.acquire(
+                lambda since: self._place_on(path, attempt, prompt, remaining, lead.failed_workers, since))
+            if rid == lead.req.request_id:   # a request's first placement: its path
+                self.metrics.requests_by_path.labels("colocated" if attempt.colocated else "disaggregated").inc()
+            if not attempt.colocated:
                 first = await self._prefill(attempt, prompt, sampling)
                 firsts, reasons, lps = list(first.first_tokens), list(first.finish_reasons), list(first.first_logprobs)
                 if len(firsts) != len(runs) or len(reasons) != len(runs):
@@ -216,8 +173,6 @@ class Orchestrator:
                 stream = self._client(attempt.decode).decode(rid, firsts, first.num_writes, sampling, prompt,
                                                              self.config.decode_timeout_s)
             else:
-                await self.admission.acquire(
-                    lambda since: self._place_colocated(attempt, prompt, lead.failed_workers, since))
                 stream = self._client(attempt.decode).serve_colocated(rid, prompt, sampling,
                                                                       self.config.decode_timeout_s)
             async with aclosing(self._stream(stream, attempt, runs)) as deltas:
@@ -236,14 +191,15 @@ class Orchestrator:
         finally:
             if attempt.colocated:
                 self._colocated[attempt.decode.worker_id] -= 1
+                self._colocated_started(attempt)
             self.admission.notify()
             if not attempt.done and attempt.decode is not None:
                 self._spawn(self._release(attempt))
 
-    def _path(self, prompt: tuple[int, ...]) -> tuple[ServingPath, list[bytes] | None]:
-        """The request's path and, when that needed them, its prompt's block hashes. ``auto``
-        mode: the tokens to compute are the prompt's minus the longest prefix a decode worker
-        holds, and whether the prefill workers are backed up counts too (`router.serving`)."""
+    def _path(self, prompt: tuple[int, ...]) -> tuple[ServingPath | None, list[bytes] | None]:
+        """The request's path (None: chosen at placement) and, when that needed them, its prompt's
+        block hashes. ``auto`` mode: the tokens to compute are the prompt's minus the longest
+        prefix a decode worker holds (`router.serving`)."""
         c = self.config
         pair = c.serving_mode == "auto" and bool(self._decode_candidates())
         to_compute, hashes = len(prompt), None
@@ -253,10 +209,25 @@ class Orchestrator:
                 bs = max(1, caching[0].block_size)
                 hashes = block_hashes(prompt, bs)
                 to_compute -= bs * max(self.membership.kv_index.overlap(d.worker_id, hashes) for d in caching)
-        return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair,
-                           pair and prefill_backlogged(self.membership.routable("prefill"),
-                                                       self.inflight.prefill_tokens,
-                                                       c.auto_prefill_backlog_tokens)), hashes
+        return choose_path(c.serving_mode, c.colocated_threshold_tokens, to_compute, pair), hashes
+
+    def _placement_path(self, tokens: int) -> ServingPath:
+        """Auto mode: the path of a prompt of ``tokens`` tokens placed now, either way allowed
+        (`router.serving.colocate_on_placement` over this router's in-flight counts)."""
+        c, prefills = self.config, self.membership.routable("prefill")
+        if not self._decode_candidates():
+            return ServingPath.COLOCATED   # no linked pair left since it arrived
+        colocated = [self.inflight.colocated_tokens.get(d.worker_id, 0) for d in self.membership.routable("decode")]
+        return ServingPath.COLOCATED if colocate_on_placement(
+            [self.inflight.prefill_tokens.get(p.worker_id, 0) for p in prefills], colocated, tokens,
+            c.auto_prefill_backlog_tokens, c.auto_decode_prefill_speed) else ServingPath.DISAGGREGATED
+
+    async def _place_on(self, path: ServingPath | None, attempt: Attempt, prompt: list[int], max_tokens: int,
+                        avoid: set[str], since: float) -> bool | None:
+        """`_place` or `_place_colocated` by ``path``; None: by `_placement_path` now."""
+        if (path or self._placement_path(len(prompt))) is ServingPath.COLOCATED:
+            return await self._place_colocated(attempt, prompt, avoid, since)
+        return await self._place(attempt, prompt, max_tokens, avoid, since)
 
     def _prompt_hashes(self, attempt: Attempt, prompt: list[int], block_size: int) -> Sequence[bytes]:
         """The attempt's prompt block hashes for a policy that uses them, computed once."""
@@ -264,7 +235,7 @@ class Orchestrator:
             attempt.hashes = block_hashes(prompt, block_size)
         return attempt.hashes or ()
 
-    def _sampling(self, runs: list[_Run], remaining: int) -> pb.SamplingParams:
+    def _sampling(self, runs: list[Choice], remaining: int) -> pb.SamplingParams:
         run = runs[0]
         r = run.req
         msg = pb.SamplingParams(max_tokens=remaining, temperature=r.temperature, top_p=r.top_p,
@@ -354,9 +325,17 @@ class Orchestrator:
             self.membership.kv_index.predict(attempt.decode.worker_id, attempt.hashes)
         self._colocated[attempt.decode.worker_id] += 1
         self.inflight.add_reservation(attempt.decode, need)  # until heartbeats show its load
+        attempt.colocated_tokens = len(prompt)   # queued there until its first token
+        self.inflight.start_colocated(attempt.decode.worker_id, len(prompt))
         return True
 
-    def _after_finish(self, attempt: Attempt, runs: list[_Run]) -> None:
+    def _colocated_started(self, attempt: Attempt) -> None:
+        """A colocated attempt's prompt left its decode worker's queue (first token, or the end)."""
+        if attempt.colocated_tokens:
+            self.inflight.end_colocated(attempt.decode.worker_id, attempt.colocated_tokens)
+            attempt.colocated_tokens = 0
+
+    def _after_finish(self, attempt: Attempt, runs: list[Choice]) -> None:
         """The decode worker now caches the prompt and what it decoded but the last token: tell
         the KV index before its events do; the prefill worker warms up with the same (`router.warmup`).
         Its blocks are free (or cached) there now, before a heartbeat says so (`Inflight`)."""
@@ -403,7 +382,7 @@ class Orchestrator:
         return resp
 
     # -- decode -------------------------------------------------------------------------------
-    async def _stream(self, stream: TokenStream, attempt: Attempt, runs: list[_Run]) -> AsyncIterator[Delta]:
+    async def _stream(self, stream: TokenStream, attempt: Attempt, runs: list[Choice]) -> AsyncIterator[Delta]:
         """Deltas of a ``Decode`` or ``ServeColocated`` token stream (chunk ``index`` i is ``runs[i]``);
         once every choice finished, a router-side stop (a stop string) cancels the call and
         releases ``attempt``; the call is cancelled if the reader goes away."""
@@ -415,6 +394,7 @@ class Orchestrator:
                     raise UpstreamError(f"decode worker {attempt.decode.worker_id} sent choice {chunk.index} "
                                         f"of {len(runs)}")
                 run = runs[chunk.index]
+                self._colocated_started(attempt)
                 tokens, text, logprobs = [], "", []
                 last = len(chunk.token_ids) - 1
                 for i, t in enumerate(chunk.token_ids):

@@ -49,11 +49,14 @@ class Inflight:
     conversation's next turn, sent the moment its answer ends, finds its own previous turn still
     counted as in use on the worker holding its KV, and may be sent away from it.
     ``prefill_tokens``: prefill worker id -> prompt tokens of Prefill calls in flight.
+    ``colocated_tokens``: decode worker id -> prompt tokens of ServeColocated calls whose first
+    token has not come back yet (their prefill is queued or under way there).
     """
 
     reserved: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     released: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     prefill_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    colocated_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add_reservation(self, decode: Member, blocks: int) -> None:
         self.reserved[decode.worker_id].append((decode.heartbeats, blocks))
@@ -80,11 +83,22 @@ class Inflight:
         self.prefill_tokens[prefill_id] += tokens
 
     def end_prefill(self, prefill_id: str, tokens: int) -> None:
-        left = self.prefill_tokens.get(prefill_id, 0) - tokens
-        if left > 0:
-            self.prefill_tokens[prefill_id] = left
-        else:
-            self.prefill_tokens.pop(prefill_id, None)
+        _take(self.prefill_tokens, prefill_id, tokens)
+
+    def start_colocated(self, decode_id: str, tokens: int) -> None:
+        self.colocated_tokens[decode_id] += tokens
+
+    def end_colocated(self, decode_id: str, tokens: int) -> None:
+        _take(self.colocated_tokens, decode_id, tokens)
+
+
+def _take(counts: dict[str, int], key: str, n: int) -> None:
+    """``counts[key] -= n``, the key dropped at zero."""
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def sequence_blocks(prompt_tokens: int, generated: Sequence[int], block_size: int) -> int:

@@ -17,13 +17,19 @@ The router's ``serving_mode`` (`RouterConfig`) picks between them per request:
   holds in its prefix cache (the router's KV index), as Dynamo's conditional disaggregation:
   a later turn of a conversation, whose earlier turns and answers sit on its decode worker, is
   prefilled there (only its new message) instead of recomputed and sent by a prefill worker.
-  A longer prompt also goes colocated while the prefill side is backed up: every prefill worker
-  already has ``auto_prefill_backlog_tokens`` prompt tokens or more in flight from this router
-  (Dynamo's conditional disaggregation sends a prefill to the prefill queue only while that
-  queue is short). Otherwise, at a load the prefill workers cannot keep up with, the prompts
+  A longer prompt also goes colocated while the prefill side is backed up (`colocate_on_placement`):
+  every prefill worker already has ``auto_prefill_backlog_tokens`` prompt tokens or more in
+  flight from this router (Dynamo's conditional disaggregation sends a prefill to the prefill
+  queue only while that queue is short), and the decode worker's own queue of colocated prompts
+  is the shorter wait. Otherwise, at a load the prefill workers cannot keep up with, the prompts
   queue for them while the decode workers idle between steps, and TTFT grows with the queue
   (measured with ``python -m loadtest.peers``: docs/PERFORMANCE.md, "Serving modes: auto mode's
   prefill backlog rule"; the decode steps that carry prompt chunks are slower).
+  That choice is made when the request is placed (at the head of the router's admission queue),
+  not when it arrives: a prompt that arrived while the prefill worker had room, and waits behind
+  others, then takes whichever side can start it first, and a colocated prompt never queues
+  behind one waiting for a prefill worker (measured: PERFORMANCE.md, "Auto mode: the path chosen
+  at placement").
 
 In ``colocated`` and ``auto`` modes a decode worker is routable as soon as it registers (it
 needs no prefill peer for ServeColocated), so /health only asks for one decode worker.
@@ -32,7 +38,7 @@ needs no prefill peer for ServeColocated), so /health only asks for one decode w
 from __future__ import annotations
 
 import enum
-from typing import Mapping, Sequence
+from typing import Sequence
 
 SERVING_MODES = ("disaggregated", "colocated", "auto")
 
@@ -56,26 +62,37 @@ def check_mode(mode: str, threshold_tokens: int) -> None:
 
 
 def choose_path(mode: str, threshold_tokens: int, prompt_tokens: int,
-                pair_available: bool, prefill_backlogged: bool = False) -> ServingPath:
-    """The path of a request of ``prompt_tokens`` tokens. Only consulted in ``auto`` mode:
-    ``pair_available``: a linked (prefill, decode) pair is routable right now;
-    ``prefill_backlogged``: every prefill worker has its backlog of prompt tokens or more in
-    flight."""
+                pair_available: bool) -> ServingPath | None:
+    """The path of a request of ``prompt_tokens`` tokens as it arrives; None in ``auto`` mode
+    when either may serve it, chosen when it is placed (`colocate_on_placement`).
+    ``pair_available``: a linked (prefill, decode) pair is routable right now (only consulted
+    in ``auto`` mode)."""
     if mode == "colocated":
         return ServingPath.COLOCATED
     if mode == "disaggregated":
         return ServingPath.DISAGGREGATED
-    if prompt_tokens < threshold_tokens or not pair_available or prefill_backlogged:
+    if prompt_tokens < threshold_tokens or not pair_available:
         return ServingPath.COLOCATED
-    return ServingPath.DISAGGREGATED
+    return None
 
 
-def prefill_backlogged(prefill_workers: Sequence, inflight_tokens: Mapping[str, int], bound: int) -> bool:
-    """Whether every one of ``prefill_workers`` (routable members, with ``worker_id``) has at
-    least ``bound`` prompt tokens in flight (``inflight_tokens``: worker id -> tokens); False
-    when ``bound`` is 0 or there is no prefill worker."""
-    return bound > 0 and bool(prefill_workers) and all(
-        inflight_tokens.get(p.worker_id, 0) >= bound for p in prefill_workers)
+def colocate_on_placement(prefill_tokens: Sequence[int], colocated_tokens: Sequence[int], tokens: int,
+                          bound: int, decode_speed: float) -> bool:
+    """Auto mode, when a prompt of ``tokens`` tokens that may go either way is placed: whether a
+    decode worker should prefill it (colocated) rather than a prefill worker.
+
+    Join the shortest expected delay, in prompt tokens: True when every prefill worker has at
+    least ``bound`` prompt tokens in flight (``prefill_tokens``: one count per routable prefill
+    worker) and the least-queued decode worker's colocated prompt tokens not yet started
+    (``colocated_tokens``: one count per routable decode worker) plus ``tokens``, over
+    ``decode_speed``, are at most the least-loaded prefill worker's plus ``tokens``.
+    ``decode_speed`` is a decode worker's prefill rate relative to a prefill worker's: its prompt
+    chunks share passes with its decode steps. False with no prefill worker or no decode worker,
+    or ``bound`` 0 (the rule off)."""
+    if bound <= 0 or not prefill_tokens or not colocated_tokens:
+        return False
+    least = min(prefill_tokens)
+    return least >= bound and (min(colocated_tokens) + tokens) / decode_speed <= least + tokens
 
 
 def decode_standalone(mode: str) -> bool:

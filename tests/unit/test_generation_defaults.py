@@ -124,8 +124,8 @@ def test_the_router_applies_the_defaults_and_a_template_refusal_is_a_400(tmp_pat
     assert (default.temperature, default.top_p, default.top_k, default.min_p, default.max_tokens) == (0.6, 0.95, 20, 0.05, 20)
     assert (explicit.temperature, explicit.top_p, explicit.top_k, explicit.min_p, explicit.max_tokens) == (1.0, 0.95, 0, 0.3, 5)
     assert no_min_p.min_p == 0.0
-    from router.orchestrator import _Run
+    from router.request import Choice
 
-    wire = state.orchestrator._sampling([_Run(default, None, frozenset())], 20)
+    wire = state.orchestrator._sampling([Choice(default, None, frozenset())], 20)
     assert abs(wire.min_p - 0.05) < 1e-6   # the SamplingParams message the workers receive
     assert state.tokenizer.stop_token_ids == frozenset({2, 3})
