@@ -128,11 +128,14 @@ def test_lower_precision_weights_match_the_dequantized_reference(smollm, referen
     """``--weights native`` (the GGUF's Q4_1 projections run by the int4 kernel, bfloat16 matmul
     inputs) and ``bf16`` against fp32 mode, whose weights are the same file dequantized:
     teacher-forced over every reference prompt and its greedy continuation, the stated tolerance
-    is a mean KL of at most 2e-3 nats per token (max 0.05) and the same top-1 token at >= 95% of
-    positions. (Measured: native mean KL ~1.1e-3, max 0.02, 98.4% top-1 with bfloat16 activations,
-    ~7e-4 with float32 ones; bf16 about the same. For native the difference is bfloat16 rounding
-    of the matmul inputs, of the activations between them where the CPU multiplies bfloat16
-    natively (`LlamaModel._bf16_activations`), and of the LM head: the weights decode exactly,
+    is a mean KL of at most 2e-3 nats per token, a 99th percentile of at most 0.02 and a max of
+    0.1, and the same top-1 token at >= 95% of positions. (Measured over the 512 positions: native
+    mean KL ~1.1e-3, 99th percentile ~0.009, 98% top-1 with bfloat16 activations, ~7e-4 with
+    float32 ones; bf16 about the same. The max follows rounding at the one worst position: 0.022
+    eager, 0.049 through the fused operators, the next largest 0.014, on a Zen 5 EPYC. For native
+    the difference is bfloat16 rounding of the matmul inputs, of the activations between them
+    where the CPU multiplies bfloat16 natively (`LlamaModel._bf16_activations`), and of the LM
+    head: the weights decode exactly,
     tests/unit/test_engine_quant.py.) Greedy decoding answers the first question
     as fp32 does for 16 tokens (bf16 did not, before RMSNorm ran in float32 as transformers' does;
     later tokens may differ: bf16 diverges at token 19 of 64). The same holds through the fused
@@ -164,7 +167,9 @@ def test_lower_precision_weights_match_the_dequantized_reference(smollm, referen
             agree += int((ref[rows].argmax(-1) == got[rows].argmax(-1)).sum())
             total += len(cont)
         kl = torch.cat(kls)
-        assert kl.mean().item() <= 2e-3 and kl.max().item() <= 0.05, (glue, kl.mean().item(), kl.max().item())
+        p99 = torch.quantile(kl, 0.99).item()
+        assert kl.mean().item() <= 2e-3 and p99 <= 0.02 and kl.max().item() <= 0.1, (
+            glue, kl.mean().item(), p99, kl.max().item())
         assert agree / total >= 0.95, (glue, agree / total)
         gen = build_generator(native, CacheConfig(num_blocks=64, dtype=native.kv_dtype))
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
