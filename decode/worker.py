@@ -101,6 +101,7 @@ class DecodeWorker:
         self.gen = Generator(res.loaded.model, res.pool, None,
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens,
+                                             max_prefill_tokens_while_decoding=c.max_prefill_tokens_while_decoding,
                                              prefix_caching=c.prefix_caching,
                                              parallel_min_tokens=c.parallel_min_tokens,
                                              prefill_batch_tokens=(c.prefill_batch_tokens or default_batch_tokens(

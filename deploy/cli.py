@@ -80,7 +80,8 @@ def launcher_config(args: argparse.Namespace):
         cpu_affinity=default_affinity(args) if args.cpu_affinity is None else args.cpu_affinity, lend_idle_cpus=args.lend_idle_cpus, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",))
-        + ("--attention-backend", attention_backend(args), "--kv-send", args.kv_send),
+        + ("--attention-backend", attention_backend(args), "--kv-send", args.kv_send,
+           "--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
 
 
@@ -239,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "while the prefill workers are backed up (router's --auto-prefill-backlog-tokens)")
     u.add_argument("--colocated-threshold-tokens", type=int, default=0,
                    help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
+    u.add_argument("--max-prefill-tokens-while-decoding", type=int, default=512, metavar="TOKENS",
+                   help="colocated and auto modes: most prompt tokens a decode worker's pass carries "
+                        "beside decoding sequences (smaller: a lower TPOT p99, a longer TTFT)")
     u.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching on every worker (recompute and resend only what no cache "
                         "holds) and KV-aware routing (--policy kv unless --policy says otherwise); on by "

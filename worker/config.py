@@ -53,6 +53,11 @@ class WorkerConfig:
             requests whose KV arrived beyond it wait, their blocks held, for a place.
         max_num_batched_tokens: prefill: most prompt tokens per forward pass (longer prompts are
             chunked).
+        max_prefill_tokens_while_decoding: decode, colocated and auto modes: most prompt tokens
+            a pass carries beside running sequences (chunked prefill, Sarathi-Serve's token
+            budget): a smaller budget bounds how long a prompt chunk holds up every decoding
+            sequence's next token (TPOT p99) and spreads a prompt over more passes (TTFT); measured:
+            docs/PERFORMANCE.md, "Auto mode: the path chosen at placement".
         prefill_batch_tokens: prompts after a pass's first join it only while its prompt
             tokens stay within this, the device's throughput knee (`engine.scheduling`): the
             prefill worker's passes, and the decode worker's in colocated and auto modes; 0:
@@ -129,6 +134,7 @@ class WorkerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_while_decoding: int = 512
     prefill_batch_tokens: int = 0
     prefix_caching: bool = False
     warmup_chunk_tokens: int = 128
@@ -183,6 +189,9 @@ class WorkerConfig:
             self.lent_cpus()   # ValueError when malformed
             if self.device != "cpu" or self.tensor_parallel_size > 1:
                 raise ValueError("borrow_cpus: CPU lending is for CPU workers at tensor parallel size 1")
+        if self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1, "
+                             f"got {self.max_prefill_tokens_while_decoding}")
         if self.prefill_batch_tokens < 0:
             raise ValueError(f"prefill_batch_tokens must be >= 0 (0: the device's default), "
                              f"got {self.prefill_batch_tokens}")

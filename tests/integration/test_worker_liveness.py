@@ -95,3 +95,34 @@ def test_prefill_loops_are_watched_and_stop_on_close(smollm):
         res.close()
     assert not any(t.name in ("prefill-loop", "prefill-sender") for t in threading.enumerate())
     assert not service.load().unhealthy     # closed on purpose: not a failure
+
+
+def test_the_decode_workers_prompt_budget_while_decoding_is_its_flag(smollm):
+    """``--max-prefill-tokens-while-decoding``: a prompt arriving while another request decodes
+    joins the passes at most that many tokens at a time, and both answers are unchanged."""
+    arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
+    res = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=64,
+                                       max_prefill_tokens_while_decoding=16), arrivals, smollm)
+    worker = DecodeWorker(res, arrivals)
+    try:
+        long_prompt = smollm.tokenizer.encode("Tell me a story about a lighthouse keeper. " * 8)
+        assert len(long_prompt) > 64
+        want = _generate(worker, "alone", long_prompt)
+        budgets, real = [], worker.gen._schedule_prefill
+
+        def schedule(budget):
+            if worker.gen.running:
+                budgets.append(budget)
+            return real(budget)
+
+        worker.gen._schedule_prefill = schedule
+        first = QueueSink()
+        worker.serve_colocated("decoding", smollm.tokenizer.encode("Hello there"),
+                               SamplingParams(max_tokens=48, temperature=0, ignore_eos=True), first)
+        assert first.items.get(timeout=60).new_token_ids   # decoding now
+        assert _generate(worker, "beside", long_prompt) == want
+        assert budgets and max(budgets) == 16, budgets
+    finally:
+        worker.close()
+        res.close()
+    assert not worker._thread.is_alive()

@@ -70,6 +70,15 @@ def test_pdserve_up_runs_eagerly_unless_told_otherwise():
     assert "--no-enforce-eager" in config.worker_args
 
 
+def test_pdserve_up_passes_the_decode_prompt_budget_to_its_workers():
+    def budget(*argv):
+        args = launcher_config(build_parser().parse_args(["up", *argv])).worker_args
+        return args[args.index("--max-prefill-tokens-while-decoding") + 1]
+
+    assert budget() == "512" and WorkerConfig(role="decode").max_prefill_tokens_while_decoding == 512
+    assert budget("--max-prefill-tokens-while-decoding", "64") == "64"
+
+
 def test_pdserve_up_asks_for_the_compiled_decode_attention_where_it_can_run():
     """`pdserve up` gives its workers ``--attention-backend auto`` (compiled where inductor builds
     it) unless told otherwise, and ``grouped`` with tensor parallelism; a worker's own default is

@@ -36,6 +36,7 @@ def test_num_blocks_defaults_per_role():
     ({"role": "decode", "weights": "int4"}, "weights"),
     ({"role": "decode", "weights": "native", "device": "cuda", "transfer_engine": "verbs"}, "CPU only"),
     ({"role": "prefill", "kv_send": "chunk"}, "kv_send"),
+    ({"role": "decode", "max_prefill_tokens_while_decoding": 0}, "max_prefill_tokens_while_decoding"),
 ])
 def test_invalid_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
