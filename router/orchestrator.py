@@ -158,7 +158,8 @@ class Orchestrator:
             await self.admission.acquire(
                 lambda since: self._place_on(path, attempt, prompt, remaining, lead.failed_workers, since))
             if rid == lead.req.request_id:   # a request's first placement: its path
-                self.metrics.requests_by_path.labels("colocated" if attempt.colocated else "disaggregated").inc()
+                placed = ServingPath.COLOCATED if attempt.colocated else ServingPath.DISAGGREGATED
+                self.metrics.requests_by_path.labels(placed.value).inc()
             if not attempt.colocated:
                 first = await self._prefill(attempt, prompt, sampling)
                 firsts, reasons, lps = list(first.first_tokens), list(first.finish_reasons), list(first.first_logprobs)

@@ -63,7 +63,6 @@ class Delta:
     index: int = 0
 
 
-
 @dataclass
 class Choice:
     """Output state of one choice of a request across its attempts (`router.orchestrator`;
