@@ -22,6 +22,7 @@ starting together never read half a package; one that cannot be loaded is built 
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import json
@@ -111,7 +112,8 @@ def configure_inductor() -> None:
         inductor_config.cpp.vec_isa_ok = True
 
 
-def _build(path: Path, export: Callable[[], "torch.export.ExportedProgram"]) -> None:
+def _build(path: Path, export: Callable[[], "torch.export.ExportedProgram"],
+           codegen: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
     import torch._inductor
 
     configure_inductor()
@@ -119,17 +121,21 @@ def _build(path: Path, export: Callable[[], "torch.export.ExportedProgram"]) -> 
     try:
         with warnings.catch_warnings():   # torch's own deprecation notices from inside export's pytrees
             warnings.simplefilter("ignore", FutureWarning)
-            torch._inductor.aoti_compile_and_package(export(), package_path=str(tmp))
+            program = export()
+            with codegen() if codegen is not None else contextlib.nullcontext():
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def load_or_build(name: str, params: dict, sources: list[str | Path],
-                  export: Callable[[], "torch.export.ExportedProgram"]) -> AotPackage:
+                  export: Callable[[], "torch.export.ExportedProgram"],
+                  codegen: Callable[[], contextlib.AbstractContextManager] | None = None) -> AotPackage:
     """The package of kernel ``name`` with ``params`` (`package_key`) for the current thread
     count: loaded from `cache_dir` when there, else ``export()`` (a ``torch.export`` program of
-    the kernel) compiled by AOTInductor (`configure_inductor`), stored, then loaded. A stored
+    the kernel) compiled by AOTInductor (`configure_inductor`; inside ``codegen()``, a context
+    that adjusts inductor's code generation, when given), stored, then loaded. A stored
     package the runtime refuses (truncated, say) is built again, with a warning. Raises whatever
     export or inductor raise where they cannot build (no C++ compiler, an operator export does not
     take), and OSError when the cache cannot be written."""
@@ -143,12 +149,13 @@ def load_or_build(name: str, params: dict, sources: list[str | Path],
         except RuntimeError as exc:
             log.warning("%s: cannot load %s (%s); building it again", name, path, str(exc).splitlines()[0])
             path.unlink(missing_ok=True)
-    _build(path, export)
+    _build(path, export, codegen)
     return AotPackage(path, True, time.perf_counter() - t0)
 
 
 def package_for(packages: dict[tuple, AotPackage], name: str, key: tuple, sources: list[str | Path],
-                export: Callable[[], "torch.export.ExportedProgram"]) -> AotPackage:
+                export: Callable[[], "torch.export.ExportedProgram"],
+                codegen: Callable[[], contextlib.AbstractContextManager] | None = None) -> AotPackage:
     """A kernel's package for its static ``key`` (sizes, strides, dtypes, constants: whatever the
     exported program fixes) on the current thread count, kept in ``packages`` under
     ``(threads, *key)`` for the calls after this one; the first loads or builds it
@@ -156,5 +163,5 @@ def package_for(packages: dict[tuple, AotPackage], name: str, key: tuple, source
     full = (torch.get_num_threads(), *key)
     package = packages.get(full)
     if package is None:
-        package = packages[full] = load_or_build(name, {"key": list(key)}, sources, export)
+        package = packages[full] = load_or_build(name, {"key": list(key)}, sources, export, codegen)
     return package

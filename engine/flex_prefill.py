@@ -12,12 +12,62 @@ it as C++ on the CPU (generated code, no kernel of our own), ahead of time (AOTI
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
 from engine.aot_kernel import AotPackage, package_for
 
 BLOCK = 64
 """Rows (queries) and columns (keys) of one block of the causal block mask."""
+
+QK_REGISTER_BLOCK = {512: (8, 16), 256: (4, 16)}
+"""By the width in bits of the vector instructions inductor writes for: the register block (query
+rows, key columns) of the score micro-GEMM (Q K^T) in the generated FlexAttention kernel, which
+inductor's CPU template fixes at 1 x 16 (``CppFlexAttentionTemplate.micro_gemm_define``, torch
+2.13), a single accumulator per 16 scores. `qk_register_block` applies it to a build; measured
+against 1 x 16: docs/PERFORMANCE.md, "The score micro-kernel of prefill attention"."""
+
+log = logging.getLogger(__name__)
+
+_QK_MICRO_GEMM = "_kernel_micro_gemm_transpose_b"
+"""The name's end of the template's score micro-GEMM (``trans_b``: K read row by row)."""
+
+
+@contextlib.contextmanager
+def qk_register_block():
+    """Inductor, inside this context, writes FlexAttention's score micro-GEMM with the register
+    block `QK_REGISTER_BLOCK` gives for the vector width it writes for, where the template asks
+    for 1 x 16 (a width the table lacks keeps 1 x 16, and so does the other micro-GEMM,
+    probabilities times V). The code stays inductor's: its generic micro-GEMM
+    (``cpp_micro_gemm.CppMicroGemmFP32Vec``) with a taller block, the rows past a query block's end
+    handled by its tail cases. Yields a list that holds, after the build, the register blocks
+    applied: empty when the width has none, or when the template no longer asks for a 1 x 16
+    score block (then the build is the template's own)."""
+    import torch._inductor.compile_fx  # noqa: F401  (first: the codegen modules import each other through it)
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    generic = cpp_micro_gemm.CppMicroGemmFP32Vec
+    block = QK_REGISTER_BLOCK.get(pick_vec_isa().bit_width())
+    applied: list[tuple[int, int]] = []
+
+    class ScoreBlocked(generic):
+        def __init__(self, name, input_dtype, input2_dtype, output_dtype, compute_dtype, register_blocking,
+                     alpha=1, tail_n=False, trans_b=False):
+            if (block is not None and trans_b and name.endswith(_QK_MICRO_GEMM)
+                    and tuple(register_blocking) == (1, 16, 1)):
+                register_blocking = cpp_micro_gemm.GemmBlocking(*block, 1)
+                applied.append(block)
+            super().__init__(name, input_dtype, input2_dtype, output_dtype, compute_dtype, register_blocking,
+                             alpha, tail_n, trans_b)
+
+    cpp_micro_gemm.CppMicroGemmFP32Vec = ScoreBlocked
+    try:
+        yield applied
+    finally:
+        cpp_micro_gemm.CppMicroGemmFP32Vec = generic
 
 
 def causal_block_mask(n: int, ctx: int | None = None, device: torch.device | str = "cpu"):
@@ -100,7 +150,8 @@ class CompiledPrefill:
         thread count: kept, loaded or built (`engine.aot_kernel.package_for`)."""
         key = (dtype, heads, kv_heads, head_dim, str(device), scale, BLOCK)
         return package_for(self.packages, "flex_prefill", key, [__file__],
-                           lambda: _export_prefill(dtype, heads, kv_heads, head_dim, device, scale))
+                           lambda: _export_prefill(dtype, heads, kv_heads, head_dim, device, scale),
+                           codegen=_score_blocked_build)
 
     def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu", scale: float | None = None) -> None:
@@ -149,6 +200,19 @@ class CompiledPrefill:
         o = package(qt, kt, vt, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
                     mask.full_kv_indices, offset)[0]
         return o[0, :, pad:].transpose(0, 1).reshape(n, -1)
+
+
+@contextlib.contextmanager
+def _score_blocked_build():
+    """`qk_register_block` for a package's build, with a warning when the vector width has a
+    register block and the build took none."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    with qk_register_block() as applied:
+        yield
+    if not applied and pick_vec_isa().bit_width() in QK_REGISTER_BLOCK:
+        log.warning("flex_prefill: inductor's FlexAttention template asked for no 1 x 16 score "
+                    "micro-GEMM; the package keeps the template's own register blocks")
 
 
 class _Prefill(torch.nn.Module):

@@ -1,10 +1,13 @@
 """The CPU prompt-attention kernel (`engine.flex_prefill.CompiledPrefill`: FlexAttention through
 inductor) against torch's SDPA: every chunk length and cached context (partial last blocks
-included), grouped and plain heads, one package for all of them; and
+included), grouped and plain heads, one package for all of them; its score micro-GEMM built
+with the register block of `engine.flex_prefill.QK_REGISTER_BLOCK` (512- and 256-bit code); and
 `engine.attention.paged_attention`'s dispatch to it (chunks it takes, with or without context,
 not shorter ones), a model's logits through it equal to SDPA's."""
 
 from __future__ import annotations
+
+import zipfile
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import ForwardBatch, SeqChunk, paged_attention
 from engine.config import CacheConfig
-from engine.flex_prefill import BLOCK, CompiledPrefill, causal_block_mask
+from engine.flex_prefill import BLOCK, QK_REGISTER_BLOCK, CompiledPrefill, causal_block_mask, qk_register_block
 from engine.kv_cache import KVPool
 
 pytestmark = pytest.mark.unit
@@ -85,6 +88,62 @@ def test_the_kernel_equals_sdpa_at_every_length_context_and_layout_from_its_warm
                 k, v = k.bfloat16(), v.bfloat16()
             torch.testing.assert_close(kernel(q, k, v, 0.3), _sdpa(q, k.float(), v.float(), 0.3), rtol=1e-5, atol=1e-5)
     assert kernel.packages == packages   # no length, context or layout needed another package
+
+
+def _generated_code(package) -> str:
+    """The C++ inductor wrote for a package (its ``.pt2`` file is a zip holding it)."""
+    with zipfile.ZipFile(package.path) as z:
+        return "".join(z.read(name).decode() for name in z.namelist() if name.endswith(".cpp"))
+
+
+def test_the_register_block_goes_to_the_score_micro_gemm_only_and_only_inside_its_context():
+    import torch._inductor.compile_fx  # noqa: F401  (import order of inductor's codegen modules)
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    generic, dtypes = cpp_micro_gemm.CppMicroGemmFP32Vec, (torch.float32,) * 4
+    one_by_16 = cpp_micro_gemm.GemmBlocking(1, 16, 1)
+    with pytest.raises(RuntimeError, match="inside"), qk_register_block() as applied:
+        blocked = cpp_micro_gemm.CppMicroGemmFP32Vec
+        score = blocked("k_kernel_micro_gemm_transpose_b", *dtypes, one_by_16, 1, True, True)
+        pv = blocked("k_kernel_micro_gemm", *dtypes, one_by_16, 1, True, False)
+        wide = blocked("k_kernel_micro_gemm_transpose_b", *dtypes, cpp_micro_gemm.GemmBlocking(2, 32, 1), 1, True, True)
+        raise RuntimeError("inside")
+    assert cpp_micro_gemm.CppMicroGemmFP32Vec is generic   # restored, an error in the build or not
+    block = QK_REGISTER_BLOCK[pick_vec_isa().bit_width()]
+    assert tuple(score.register_blocking) == (*block, 1) and applied == [block]
+    assert tuple(pv.register_blocking) == (1, 16, 1) and tuple(wide.register_blocking) == (2, 32, 1)
+
+
+@pytest.mark.parametrize("simdlen", [None, 256], ids=["this-cpu", "256-bit"])
+def test_the_score_micro_gemm_is_built_with_the_register_block_of_its_vector_width(simdlen, monkeypatch, tmp_path):
+    """The package inductor writes for this CPU's vector width, and for 256-bit vectors (an AVX2
+    machine's code, run here), holds the score micro-kernel with the width's register block and
+    every shorter tail of it, the probabilities x V one with 1 x 16, and equals SDPA on chunks
+    whose last query block ends on each of those tails."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # a build of its own, not the cached one
+    with inductor_config.patch({"cpp.simdlen": simdlen}):
+        width = pick_vec_isa().bit_width()
+        assert width == (simdlen or width) in QK_REGISTER_BLOCK
+        kernel, g = CompiledPrefill(), torch.Generator().manual_seed(width)
+        with torch.inference_mode():
+            # the last query block's rows: every remainder by 8, then a chunk after cached context
+            for n, cached in [(2 * BLOCK + r, 0) for r in range(1, 9)] + [(300, 701)]:
+                q = torch.randn(n, 9, 64, generator=g) * 3
+                k, v = (torch.randn(cached + n, 3, 64, generator=g).bfloat16() * 3 for _ in range(2))
+                torch.testing.assert_close(kernel(q, k, v), _sdpa(q, k.float(), v.float(), None), rtol=1e-4,
+                                           atol=1e-4)
+    (package,) = kernel.packages.values()
+    code = _generated_code(package)
+    rows, cols = QK_REGISTER_BLOCK[width]
+    for m in range(1, rows + 1):
+        assert f"micro_gemm_transpose_b_transpose_b_kernel<{m}, {cols}, accum, prefetch>" in code
+    assert f"micro_gemm_transpose_b_transpose_b_kernel<{rows + 1}, " not in code
+    assert "_kernel_micro_gemm_kernel<1, 16, accum, prefetch>" in code
+    assert f"CPU_CAPABILITY_AVX{'512' if width == 512 else '2'}" in code
 
 
 class _Calls(CompiledPrefill):
