@@ -109,6 +109,12 @@ class _Count:
     def on_peer_lost(self, source: str, error: Exception) -> None:
         pass
 
+    def on_peer_connected(self, source: str) -> None:
+        pass
+
+    def on_peer_gone(self, source: str) -> None:
+        pass
+
 
 def _prefaulted(nbytes: int) -> torch.Tensor:
     """A receive buffer whose pages are already mapped (a fresh allocation faults on first

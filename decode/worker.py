@@ -19,8 +19,10 @@ Lifecycle of a request (ARCHITECTURE.md, "One request, end to end"):
               gets the typed error; the slot is released (its generation bumps, late immediates
               are dropped as stale) and the blocks are freed only when no writer can still
               write into them:
-              - at once if the writer's connection is gone (PeerLostError), the transfer
-                completed, or the caller says the writer stopped (Abort with writer_stopped);
+              - at once if no writer that could write into them has a connection left
+                (`DecodeArrivals.lost`: every connection of each ended, lost or closed), the
+                transfer completed, or the caller says the writer stopped (Abort with
+                writer_stopped);
               - otherwise after ``quarantine_s`` (longer than any writer's lease), and the slot
                 too is kept out of use that long.
               Held (cached) blocks are never a transfer's target, so they are let go at once.
@@ -343,14 +345,14 @@ class DecodeWorker:
         # that has not written yet may still (`add_writer_group`). So do the ranks named at
         # Reserve, which may not have written at all.
         writers = set(r.writers).union(*(self._groups.get(w, {w}) for w in touched))
-        grouped = len(writers) > len(touched)
-        # A writer whose connection is already gone cannot land anything, and its loss was told
-        # before this quarantine existed (`_writer_lost` will not come again): it is no longer
-        # waited for. Every writer gone (a killed prefill worker is seen by the data plane before
-        # the router aborts): nothing can land.
+        # A writer with no connection left cannot land anything, and that was told before this
+        # quarantine existed (`_writer_lost` will not come again): it is no longer waited for.
+        # Every writer gone (a killed prefill worker is seen by the data plane before the router
+        # aborts): nothing can land. A lost connection alone is not enough: a tcp writer's other
+        # stream may still be landing a write (`kvtransfer.connection.PeerConnections`).
         alive = writers - self.arrivals.lost
         stopped = (writer_done or r.writer_stopped or (bool(writers) and not alive)
-                   or (isinstance(error, PeerLostError) and not grouped))
+                   or (isinstance(error, PeerLostError) and not writers))
         self.counter.release(t.slot, t.generation, 0.0 if stopped else self.res.config.quarantine_s)
         self.metrics["transfers_failed"] += 1
         held, written = r.blocks[:r.num_held_blocks], r.blocks[r.num_held_blocks:]

@@ -4,8 +4,9 @@ Roles and who calls what (one engine instance per worker process; every worker c
 
 Receiver (decode worker)
     1. ``engine = create_engine(name, config, arrivals=counter)`` - ``arrivals`` receives every
-       remote immediate (``on_immediate``) and every abnormal loss of a writer (``on_peer_lost``),
-       from engine threads.
+       remote immediate (``on_immediate``), every abnormal loss of a writer's connection
+       (``on_peer_lost``), and when a writer is first connected and when it has no connection
+       left (``on_peer_connected`` / ``on_peer_gone``), from engine threads.
     2. ``region = engine.register_memory(kv_pool)`` once, before ``describe()``.
     3. ``engine.describe().to_bytes()`` -> the router -> each prefill worker.
     4. Nothing else per request: writes land in the pool without the receiver's CPU doing more
@@ -175,7 +176,7 @@ class EngineStats:
 class ArrivalHandler(Protocol):
     """Receiver-side sink; :class:`kvtransfer.counter.CompletionCounter` implements it.
 
-    Both methods are called from engine threads and must not block for long or raise.
+    Every method is called from engine threads and must not block for long or raise.
     """
 
     def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
@@ -187,13 +188,24 @@ class ArrivalHandler(Protocol):
     def on_peer_lost(self, source: str, error: TransferError) -> None:
         """The connection from writer ``source`` ended abnormally (died, reset, protocol error)."""
 
+    def on_peer_connected(self, source: str) -> None:
+        """Writer ``source``'s first live connection to this engine is up (authenticated)."""
+
+    def on_peer_gone(self, source: str) -> None:
+        """Writer ``source``'s last live connection to this engine has ended, gracefully (BYE) or
+        not (after ``on_peer_lost``): nothing of it can land in this engine's memory any more
+        until it connects again (`kvtransfer.connection.PeerConnections`)."""
+
 
 class ImmediateQueue:
-    """The default :class:`ArrivalHandler`: a queue of ``(imm, source)`` and of lost peers."""
+    """The default :class:`ArrivalHandler`: a queue of ``(imm, source)``, of lost connections and of
+    the writers connected and gone."""
 
     def __init__(self) -> None:
         self.immediates: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         self.lost: queue.SimpleQueue[tuple[str, TransferError]] = queue.SimpleQueue()
+        self.connected: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.gone: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
         for _ in range(count):
@@ -201,6 +213,12 @@ class ImmediateQueue:
 
     def on_peer_lost(self, source: str, error: TransferError) -> None:
         self.lost.put((source, error))
+
+    def on_peer_connected(self, source: str) -> None:
+        self.connected.put(source)
+
+    def on_peer_gone(self, source: str) -> None:
+        self.gone.put(source)
 
 
 Memory = torch.Tensor | tuple[int, int]

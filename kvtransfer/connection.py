@@ -65,6 +65,42 @@ class ThreadGroup:
         return [t.name for t in threads if t.is_alive()]
 
 
+class PeerConnections:
+    """The live inbound connections of each writer to one engine (every transport of an ``auto``
+    engine together), told to ``arrivals``: ``on_peer_connected`` when a writer's first one is
+    up, ``on_peer_gone`` when its last one has ended - a tcp writer has ``streams_per_peer`` of
+    them, and a write of one can still be landing when another ends. The callbacks run under
+    this object's lock, so a writer's connected and gone reach ``arrivals`` in order."""
+
+    def __init__(self, arrivals: ArrivalHandler) -> None:
+        self._arrivals = arrivals
+        self._lock = threading.Lock()
+        self._source: dict[object, str] = {}   # connection -> its writer
+        self._live: dict[str, int] = {}        # writer -> its live connections
+
+    def opened(self, conn: object, source: str) -> None:
+        """``conn`` (any hashable identity) from writer ``source`` is up; once per connection."""
+        with self._lock:
+            if conn in self._source:
+                return
+            self._source[conn] = source
+            self._live[source] = self._live.get(source, 0) + 1
+            if self._live[source] == 1:
+                self._arrivals.on_peer_connected(source)
+
+    def ended(self, conn: object) -> None:
+        """``conn`` has ended: nothing of it can land any more. Idempotent; a connection never
+        opened is ignored."""
+        with self._lock:
+            source = self._source.pop(conn, None)
+            if source is None:
+                return
+            self._live[source] -= 1
+            if self._live[source] == 0:
+                del self._live[source]
+                self._arrivals.on_peer_gone(source)
+
+
 @dataclass(slots=True)
 class Shared:
     """State shared by an engine and its connections (and by engines composed in ``auto``)."""
@@ -75,11 +111,13 @@ class Shared:
     tracker: CompletionTracker
     counters: EngineCounters
     arrivals: ArrivalHandler
+    peers: PeerConnections
 
     @classmethod
     def create(cls, config: EngineConfig, arrivals: ArrivalHandler | None) -> "Shared":
+        arrivals = arrivals if arrivals is not None else ImmediateQueue()
         return cls(config, EndpointId(uuid.uuid4().hex), MemoryTable(), CompletionTracker(),
-                   EngineCounters(), arrivals if arrivals is not None else ImmediateQueue())
+                   EngineCounters(), arrivals, PeerConnections(arrivals))
 
 
 class Listener:
@@ -131,7 +169,8 @@ class Listener:
 
 class InboundConnection(abc.ABC):
     """The receiver end of one writer stream: handshake, then the frame loop (:meth:`_serve`)
-    until BYE; an abnormal end is reported once to ``arrivals.on_peer_lost``.
+    until BYE; an abnormal end is reported once to ``arrivals.on_peer_lost``, and every end of an
+    authenticated connection to `PeerConnections` (the writer's last: ``on_peer_gone``).
     ``after_auth(sock)`` runs once after the handshake (shm sends its fds there); descriptors are
     checked against ``table`` (default: the engine's shared memory table).
 
@@ -168,6 +207,7 @@ class InboundConnection(abc.ABC):
                 self._shared.counters.add(auth_failures=1)
                 return
             self.authenticated = True
+            self._shared.peers.opened(self, self.source)
             self.sock.settimeout(None)
             self._serve()
         except (OSError, KVTransferError) as exc:
@@ -176,6 +216,7 @@ class InboundConnection(abc.ABC):
                 self._shared.arrivals.on_peer_lost(self.source, PeerLostError(f"writer {self.source}: {exc}"))
         finally:
             self.sock.close()
+            self._shared.peers.ended(self)   # after the close: no byte of it is read any more
 
     def _serve(self) -> None:
         """Read frames until BYE (return) or failure (raise)."""

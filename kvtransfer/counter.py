@@ -222,6 +222,14 @@ class CompletionCounter:
         """``ArrivalHandler`` hook: fail the pending slots that ``source`` was writing."""
         self.fail_source(source, error)
 
+    def on_peer_connected(self, source: str) -> None:
+        """``ArrivalHandler`` hook: nothing to do."""
+
+    def on_peer_gone(self, source: str) -> None:
+        """``ArrivalHandler`` hook: fails nothing (a lost connection already failed its slots in
+        ``on_peer_lost``; a closed one applied every write it posted); a slot still pending
+        waits for its other writers or its deadline."""
+
     # -- failure and waiting -----------------------------------------------------------------
     def fail(self, slot: int, generation: int, error: KVTransferError) -> bool:
         """Fail a pending slot; False if it was not pending (already done, stale, free)."""

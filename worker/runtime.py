@@ -278,6 +278,8 @@ def _start_rank_data_planes(res: WorkerResources, arrivals: ArrivalHandler | Non
         res.rank_events["imm"] = lambda rank, imm, source, count: arrivals.on_immediate(imm, source, count)
         res.rank_events["lost"] = lambda rank, source, why: arrivals.on_peer_lost(
             source, PeerLostError(f"tensor-parallel rank {rank}: {why}"))
+        res.rank_events["connected"] = lambda rank, source: arrivals.on_peer_connected(source)
+        res.rank_events["gone"] = lambda rank, source: arrivals.on_peer_gone(source)
     blobs = model.call("kv_engine", (c.transfer_engine, engine_config, c.role, res.loaded.config.num_kv_heads,
                                      c.max_write_bytes))
     res.rank_endpoints = tuple(EndpointInfo.from_bytes(b) for b in blobs)

@@ -155,7 +155,8 @@ class PassWrites:
 
 
 class _ForwardArrivals:
-    """A follower's arrival sink: every immediate and lost writer goes to rank 0 as an event."""
+    """A follower's arrival sink: every immediate, lost connection, and writer connected or gone
+    goes to rank 0 as an event, in the order the rank's engine told them."""
 
     def __init__(self, send: Callable[[tuple], None]):
         self._send = send
@@ -169,6 +170,18 @@ class _ForwardArrivals:
     def on_peer_lost(self, source: str, error: TransferError) -> None:
         try:
             self._send(("lost", source, str(error)))
+        except OSError:
+            pass
+
+    def on_peer_connected(self, source: str) -> None:
+        try:
+            self._send(("connected", source))
+        except OSError:
+            pass
+
+    def on_peer_gone(self, source: str) -> None:
+        try:
+            self._send(("gone", source))
         except OSError:
             pass
 

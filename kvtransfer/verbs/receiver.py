@@ -5,7 +5,9 @@ A receiver's inbound connection: the handshake on a short-lived ``kv-verbs-accep
 then watched by ``kv-verbs-peers``. BYE: its QPs are torn down. EOF without BYE (the writer
 died): its QPs are destroyed first, the immediates they delivered are dispatched, and only then
 ``arrivals.on_peer_lost`` fires - once it has, nothing of that writer can land any more, so its
-blocks may be reused. A RECONNECT replaces its QPs.
+blocks may be reused. A RECONNECT replaces its QPs. Each connection is counted in
+`PeerConnections` from its handshake until its QPs are gone (the writer's last:
+``arrivals.on_peer_gone``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class Receivers:
             closed = self._closed
             if not closed:
                 self._inbound[owner] = conn
+                self._s.peers.opened(owner, conn.source)
         if closed:
             self._loop.teardown(owner, PeerLostError("engine closed"))
             sock.close()
@@ -116,13 +119,15 @@ class Receivers:
         with self._lock:
             self._inbound.pop(conn.owner, None)
         if conn.closing:
-            self._loop.teardown(conn.owner, PeerLostError("writer disconnected"))
+            self._loop.teardown(conn.owner, PeerLostError("writer disconnected"),
+                                then=lambda: self._s.peers.ended(conn.owner))
             return
         lost = PeerLostError(f"writer {conn.source}: bootstrap connection ended ({error or 'EOF'})")
 
         def report() -> None:
             self._s.counters.add(peers_lost=1)
             self._s.arrivals.on_peer_lost(conn.source, lost)
+            self._s.peers.ended(conn.owner)
 
         self._loop.teardown(conn.owner, lost, then=report)
 
@@ -149,4 +154,5 @@ class Receivers:
             except OSError:
                 pass
         for conn in inbound:
-            self._loop.teardown(conn.owner, PeerLostError("engine closed")).wait(self._cfg.close_timeout_s)
+            if self._loop.teardown(conn.owner, PeerLostError("engine closed")).wait(self._cfg.close_timeout_s):
+                self._s.peers.ended(conn.owner)

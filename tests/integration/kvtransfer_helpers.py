@@ -51,6 +51,9 @@ def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str
     nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
     done_events: list[tuple[int, int, int]] = []
     counter = CompletionCounter(64, on_done=lambda s, g, st: done_events.append((s, g, int(st))))
+    peers: list[tuple[str, str]] = []   # ("connected" | "gone", writer), in order
+    counter.on_peer_connected = lambda source: peers.append(("connected", source))
+    counter.on_peer_gone = lambda source: peers.append(("gone", source))
     engine = create_engine(engine_name, engine_config(**(overrides or {})), arrivals=counter)
     if device != "cpu":   # a GPU pool: staged by tcp/shm, exported by cuda_ipc
         raw, shared = torch.zeros(nbytes, dtype=torch.uint8, device=device), None
@@ -71,6 +74,7 @@ def _receiver_main(conn: Any, engine_name: str, num_blocks: int, dtype_name: str
         "region_key": lambda: region.key,
         "zero": lambda: raw.zero_() is None,
         "qp_states": lambda: engine.qp_states() if engine_name == "verbs" else {},
+        "peers": lambda: list(peers),
     }
     while True:
         cmd, args = conn.recv()

@@ -237,10 +237,22 @@ def test_smallest_receive_capacity_does_not_hang(setup):
         rx.close()
 
 
+def _gone(receiver, writer_id: str, timeout_s: float = 30.0) -> list[str]:
+    """What the receiver told its arrivals of ``writer_id`` (``on_peer_connected`` /
+    ``on_peer_gone``, in order), once it is gone or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = [kind for kind, source in receiver.call("peers") if source == writer_id]
+        if (events and events[-1] == "gone") or time.monotonic() > deadline:
+            return events
+        time.sleep(0.1)
+
+
 @core
 def test_peer_killed_mid_transfer_surfaces_on_peer_lost(setup, receiver):
     """kill -9 of a writer: the slot it was writing fails with PeerLostError at once, and once
-    that is reported nothing more of that writer lands (verbs: its QPs are gone)."""
+    that is reported nothing more of that writer lands (verbs: its QPs are gone); the writer,
+    connected once, is gone once."""
     slot, gen = receiver.call("acquire", 60.0)
     ids = list(range(0, 128))
     proc, pipe, writer_id = spawn_writer(SETUPS[setup][0], receiver.endpoint_blob, SRC_BLOCKS,
@@ -261,6 +273,7 @@ def test_peer_killed_mid_transfer_surfaces_on_peer_lost(setup, receiver):
     assert receiver.call("stats")[0]["writes_received"] == received
     if SETUPS[setup][0] == "verbs":
         assert receiver.call("stats")[0]["peers_lost"] >= 1
+    assert _gone(receiver, writer_id) == ["connected", "gone"]
     receiver.call("release", slot, gen)
 
 
@@ -298,6 +311,8 @@ def _fresh_transfer_works(setup, receiver):
         peer = engine.connect(info)
         engine.wait(engine.post_writes(peer, [WriteOp(local, 0, info.regions[0].key, 0, 1 << 20)]), 60)
         assert receiver.call("bytes_digest", 0, 1 << 20) == hashlib.sha256(src.numpy().tobytes()).hexdigest()
+        writer_id = engine.describe().endpoint_id
+    assert _gone(receiver, writer_id) == ["connected", "gone"]   # closed (BYE): every stream ended, then gone
 
 
 def test_eight_peers_at_once(setup, receiver):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import (AuthError, EndpointInfo, EngineConfig, KVLayout, RemoteAccessError,
+from kvtransfer import (AuthError, EndpointInfo, EngineConfig, KVLayout, PeerLostError, RemoteAccessError,
                         TransportKind, WriteOp, count_writes, create_engine, pack_immediate,
                         plan_writes, to_write_ops)
 from kvtransfer.frame import Frame, FrameFlag, FrameType
@@ -263,6 +263,45 @@ def test_grouped_parts_are_acked_each_with_its_own_status():
         imms = [arrivals.immediates.get(timeout=5)[0] for _ in range(len(good))]
         assert imms == [op.imm for op in good] and arrivals.immediates.empty()
         assert rx.stats().writes_rejected == 1 and rx.stats().writes_received == len(good)
+        assert arrivals.gone.get(timeout=5) == "raw-writer" and arrivals.lost.empty()   # BYE: gone, not lost
+
+
+def test_a_writer_is_gone_once_its_last_connection_ends_closed_or_lost(engine_name):
+    """The receiver tells its arrivals when a writer has no connection left (`PeerConnections`):
+    a writer engine with two tcp streams (or one shm connection) is connected once, and gone
+    once, only after its close (BYE after its writes) ended every one of them, never lost; a
+    connection dropped without BYE is lost, then gone. The decode worker frees quarantined
+    blocks on gone (`DecodeArrivals`)."""
+    from kvtransfer import ImmediateQueue, allocate_shared_buffer, auth
+    arrivals = ImmediateQueue()
+    pool, shared = allocate_shared_buffer(1 << 16) if engine_name == "shm" else (torch.zeros(1 << 16, dtype=torch.uint8),
+                                                                                 None)
+    with create_engine(engine_name, EngineConfig(secret=SECRET), arrivals=arrivals) as rx:
+        key = rx.register_memory(pool, shared=shared).key
+        src = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint8)
+        info = EndpointInfo.from_bytes(rx.describe().to_bytes())
+        with create_engine(engine_name, EngineConfig(secret=SECRET, streams_per_peer=2)) as tx:
+            writer_id = tx.describe().endpoint_id
+            peer = tx.connect(info)
+            tx.wait(tx.post_writes(peer, [WriteOp(tx.register_memory(src), 0, key, 0, 1 << 16, 0x42)]), 30)
+            assert arrivals.connected.get(timeout=10) == writer_id
+            assert arrivals.gone.empty()
+        assert arrivals.gone.get(timeout=10) == writer_id
+        assert arrivals.connected.empty() and arrivals.gone.empty() and arrivals.lost.empty()
+        assert torch.equal(pool, src) and arrivals.immediates.get(timeout=5) == (0x42, writer_id)
+
+        addr = rx.describe().transport(TransportKind(engine_name))
+        if engine_name == "tcp":
+            sock = socket.create_connection((addr.host, addr.port), timeout=30)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect("\0" + addr.path[1:] if addr.path.startswith("@") else addr.path)   # abstract
+        with sock:
+            auth.client_handshake(sock, SECRET, "dropped-writer")
+            assert arrivals.connected.get(timeout=10) == "dropped-writer"
+        source, error = arrivals.lost.get(timeout=10)
+        assert source == "dropped-writer" and isinstance(error, PeerLostError)   # EOF, or reset (shm's unread fds)
+        assert arrivals.gone.get(timeout=10) == "dropped-writer"
 
 
 def test_failed_batch_among_queued_batches_fails_alone(writer, receiver):

@@ -35,6 +35,12 @@ class _HomeCheck:
     def on_peer_lost(self, source, error):
         pass
 
+    def on_peer_connected(self, source):
+        pass
+
+    def on_peer_gone(self, source):
+        pass
+
 
 def test_copy_runs_coalesces_touching_ranges_per_key():
     assert copy_runs([(1, 100, 50), (1, 0, 100), (2, 0, 10), (1, 150, 10), (1, 400, 8), (2, 5, 10)]) == [

@@ -179,18 +179,21 @@ def check_pair(prefill: PrefillWorker, decode: DecodeWorker, dst: str, reference
 def test_a_lost_rank_frees_no_block_while_a_rank_of_its_group_lives(smollm):
     """A decode worker's failed transfer touched by one rank of a TP-2 writer group: when that
     rank is killed (kill -9: its connection drops) its group mate, alive and connected, could
-    still write, so the blocks stay quarantined until the quarantine ends, not freed at the loss
-    (`DecodeWorker.add_writer_group`). The ranks here are a looping writer process and an engine
-    of this process: two endpoints of one group as the decode worker learns it at Connect."""
+    still write, so the blocks stay quarantined (`DecodeWorker.add_writer_group`); when the mate
+    then closes its engine (BYE on both its tcp streams, as a lost TP worker's rank 0 does on its
+    way out) no writer of the group is left and the blocks return at once, long before the
+    quarantine ends (`DecodeArrivals.on_peer_gone`). The ranks here are a looping writer process
+    and an engine of this process: two endpoints of one group as the decode worker learns it at
+    Connect."""
     from kvtransfer import EndpointInfo, create_engine
     from kvtransfer_helpers import engine_config, spawn_writer
 
-    quarantine = 6.0
+    quarantine = 60.0
     arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
     res = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=64, quarantine_s=quarantine,
                                        prefill_timeout_s=quarantine / 2, secret=engine_config().secret), arrivals, smollm)
     decode = DecodeWorker(res, arrivals)
-    mate = create_engine("tcp", engine_config())
+    mate = create_engine("tcp", engine_config(streams_per_peer=2))
     try:
         r = decode.reserve("victim", 100, 4)
         t = r.require_transfer()
@@ -214,10 +217,11 @@ def test_a_lost_rank_frees_no_block_while_a_rank_of_its_group_lives(smollm):
         assert writer_id in arrivals.lost
         time.sleep(1.0)
         assert res.pool.allocator.num_free == free   # its group mate lives: still quarantined
-        while res.pool.allocator.num_free < res.pool.num_blocks and time.monotonic() < started + quarantine + 5:
+        mate.close()   # gracefully: BYE, no connection lost
+        while res.pool.allocator.num_free < res.pool.num_blocks and time.monotonic() < started + 10:
             time.sleep(0.1)
-        assert res.pool.allocator.num_free == res.pool.num_blocks
-        assert time.monotonic() - started > quarantine - 2   # freed by the quarantine's end
+        assert res.pool.allocator.num_free == res.pool.num_blocks   # back long before the quarantine's end
+        assert mate.describe().endpoint_id in arrivals.lost
     finally:
         mate.close()
         decode.close()

@@ -109,6 +109,12 @@ class _Recorder:
         self.qps_at_loss = self.engine.qp_states()
         self.lost.set()
 
+    def on_peer_connected(self, source: str) -> None:
+        pass
+
+    def on_peer_gone(self, source: str) -> None:
+        pass
+
 
 def test_qps_of_a_killed_writer_are_gone_before_on_peer_lost():
     """The decode-side invariant: once on_peer_lost fires, the writer's QPs are destroyed on
