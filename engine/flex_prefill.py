@@ -44,7 +44,8 @@ def qk_register_block():
     (``cpp_micro_gemm.CppMicroGemmFP32Vec``) with a taller block, the rows past a query block's end
     handled by its tail cases. Yields a list that holds, after the build, the register blocks
     applied: empty when the width has none, or when the template no longer asks for a 1 x 16
-    score block (then the build is the template's own)."""
+    score block (then the build is the template's own, and a warning is logged when the context
+    exits without an error)."""
     import torch._inductor.compile_fx  # noqa: F401  (first: the codegen modules import each other through it)
     from torch._inductor.codegen import cpp_micro_gemm
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -68,6 +69,9 @@ def qk_register_block():
         yield applied
     finally:
         cpp_micro_gemm.CppMicroGemmFP32Vec = generic
+    if block is not None and not applied:
+        log.warning("flex_prefill: inductor's FlexAttention template asked for no 1 x 16 score "
+                    "micro-GEMM; the package keeps the template's own register blocks")
 
 
 def causal_block_mask(n: int, ctx: int | None = None, device: torch.device | str = "cpu"):
@@ -151,7 +155,7 @@ class CompiledPrefill:
         key = (dtype, heads, kv_heads, head_dim, str(device), scale, BLOCK)
         return package_for(self.packages, "flex_prefill", key, [__file__],
                            lambda: _export_prefill(dtype, heads, kv_heads, head_dim, device, scale),
-                           codegen=_score_blocked_build)
+                           codegen=qk_register_block)
 
     def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu", scale: float | None = None) -> None:
@@ -200,19 +204,6 @@ class CompiledPrefill:
         o = package(qt, kt, vt, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
                     mask.full_kv_indices, offset)[0]
         return o[0, :, pad:].transpose(0, 1).reshape(n, -1)
-
-
-@contextlib.contextmanager
-def _score_blocked_build():
-    """`qk_register_block` for a package's build, with a warning when the vector width has a
-    register block and the build took none."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    with qk_register_block() as applied:
-        yield
-    if not applied and pick_vec_isa().bit_width() in QK_REGISTER_BLOCK:
-        log.warning("flex_prefill: inductor's FlexAttention template asked for no 1 x 16 score "
-                    "micro-GEMM; the package keeps the template's own register blocks")
 
 
 class _Prefill(torch.nn.Module):

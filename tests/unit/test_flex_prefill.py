@@ -7,6 +7,7 @@ not shorter ones), a model's logits through it equal to SDPA's."""
 
 from __future__ import annotations
 
+import logging
 import zipfile
 
 import pytest
@@ -113,6 +114,28 @@ def test_the_register_block_goes_to_the_score_micro_gemm_only_and_only_inside_it
     block = QK_REGISTER_BLOCK[pick_vec_isa().bit_width()]
     assert tuple(score.register_blocking) == (*block, 1) and applied == [block]
     assert tuple(pv.register_blocking) == (1, 16, 1) and tuple(wide.register_blocking) == (2, 32, 1)
+
+
+def test_a_build_that_asked_for_no_1x16_score_block_is_logged(caplog):
+    """A torch whose template no longer asks for the 1 x 16 score block builds the template's own
+    kernel, and says so (a warning, not a silent loss of the faster kernel)."""
+    import torch._inductor.compile_fx  # noqa: F401  (import order of inductor's codegen modules)
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if pick_vec_isa().bit_width() not in QK_REGISTER_BLOCK:
+        pytest.skip("this CPU's vector width has no score register block: nothing to lose")
+    dtypes = (torch.float32,) * 4
+    with caplog.at_level(logging.WARNING, logger="engine.flex_prefill"):
+        with qk_register_block() as applied:
+            cpp_micro_gemm.CppMicroGemmFP32Vec("k_kernel_micro_gemm_transpose_b", *dtypes,
+                                              cpp_micro_gemm.GemmBlocking(2, 32, 1), 1, True, True)
+        assert applied == [] and "template's own register blocks" in caplog.text
+        caplog.clear()
+        with qk_register_block() as applied:
+            cpp_micro_gemm.CppMicroGemmFP32Vec("k_kernel_micro_gemm_transpose_b", *dtypes,
+                                              cpp_micro_gemm.GemmBlocking(1, 16, 1), 1, True, True)
+        assert applied and not caplog.text
 
 
 @pytest.mark.parametrize("simdlen", [None, 256], ids=["this-cpu", "256-bit"])
