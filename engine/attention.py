@@ -89,6 +89,14 @@ class ForwardBatch:
     prefill_pad: tuple[int, torch.Tensor | None] | None = None
     _decode_biases: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     _indexed_inputs: tuple | None = dataclasses.field(default=None, init=False, repr=False)
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def memo(self, key, build):
+        """``build()``, called once per batch and ``key`` (a kernel's per-batch inputs, shared by
+        every layer)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def indexed_decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_tables, lens)`` of the one-token sequences for `CompiledDecode`, at least two

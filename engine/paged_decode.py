@@ -10,6 +10,11 @@ import torch
 from engine.aot_kernel import AotPackage, package_for
 from engine.attention import ForwardBatch
 
+MAX_LENGTH_GROUPS = 3
+"""Most calls a decode step's attention is split into by context length (`length_groups`)."""
+MIN_PADDING_SAVED = 0.15
+"""`length_groups` splits only when that leaves at most ``1 - this`` of the padded blocks."""
+
 
 def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          block_tables: torch.Tensor, lens: torch.Tensor, window: int | None = None,
@@ -59,6 +64,36 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     return out.reshape(d, heads * dim)
 
 
+def length_groups(tables: torch.Tensor, lens: torch.Tensor,
+                  block_size: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """The rows of a decode batch in up to `MAX_LENGTH_GROUPS` groups of similar context length,
+    each with its own block-table width, or None when one call serves it as well. The compiled
+    kernel computes every row over the table's whole width (positions past a row's context are
+    masked, not skipped), so rows of 150 and 450 tokens in one call both cost 450; in groups, each
+    costs about its group's longest (measured: docs/PERFORMANCE.md, "Decode attention in groups
+    of similar length").
+
+    Args:
+        tables: ``[R, W]`` int64, lens: ``[R]`` int64 (`ForwardBatch.indexed_decode_inputs`).
+        block_size: tokens per block.
+    Returns:
+        ``[(rows, tables[rows, :w], lens[rows]), ...]``: ``rows`` int64 indices in ascending
+        context length, every row in exactly one group, each group of two rows or more and
+        ``w >= 2`` columns; None when the batch has fewer than 4 rows or the groups would still
+        compute more than ``1 - MIN_PADDING_SAVED`` of the one call's padded blocks.
+    """
+    rows = lens.shape[0]
+    if rows < 4:
+        return None
+    blocks = (lens + block_size - 1) // block_size
+    order = torch.argsort(lens, stable=True)
+    parts = torch.tensor_split(order, min(MAX_LENGTH_GROUPS, rows // 2))
+    widths = [max(2, int(blocks[p].max())) for p in parts]
+    if sum(len(p) * w for p, w in zip(parts, widths)) > (1 - MIN_PADDING_SAVED) * rows * tables.shape[1]:
+        return None
+    return [(p, tables[p, :w].contiguous(), lens[p].contiguous()) for p, w in zip(parts, widths)]
+
+
 class CompiledDecode:
     """`paged_decode_indexed` compiled ahead of time by AOTInductor (`engine.aot_kernel`): the CPU
     decode-attention kernel of a worker started with ``--attention-backend compiled`` (or
@@ -103,13 +138,25 @@ class CompiledDecode:
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                  window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
         """``q`` ``[D, heads, head_dim]`` (the batch's one-token sequences, in `ForwardBatch`
-        order) over one layer's pool -> ``[D, heads * head_dim]`` in ``q``'s dtype."""
+        order) over one layer's pool -> ``[D, heads * head_dim]`` in ``q``'s dtype. On one
+        thread, one call of the package per group of `length_groups` (computed once per batch);
+        on more, one call: a call per group adds a barrier of the threads each and splits the
+        rows they share, and measured no faster (docs/PERFORMANCE.md, "Decode attention in
+        groups of similar length")."""
         tables, lens = batch.indexed_decode_inputs()
         rows = q.shape[0]
         if rows == 1:
             q = q.expand(2, -1, -1)
         q = q.contiguous()
-        return self.package(q, k_pool, v_pool, window, scale, softcap)(q, k_pool, v_pool, tables, lens)[0][:rows]
+        package = self.package(q, k_pool, v_pool, window, scale, softcap)
+        groups = None if torch.get_num_threads() > 1 else batch.memo(
+            ("length_groups", k_pool.shape[2]), lambda: length_groups(tables, lens, k_pool.shape[2]))
+        if groups is None:
+            return package(q, k_pool, v_pool, tables, lens)[0][:rows]
+        out = q.new_empty(rows, q.shape[1] * q.shape[2])
+        for index, group_tables, group_lens in groups:
+            out.index_copy_(0, index, package(q.index_select(0, index), k_pool, v_pool, group_tables, group_lens)[0])
+        return out
 
 
 class _Decode(torch.nn.Module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench.decode_attention import main
 
@@ -18,6 +19,14 @@ def test_bench_rows_agree_and_are_written(tmp_path):
     assert [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 40), (3, 40)]
     for r in result["rows"]:
         assert r["max_abs_diff"] < 1e-5
-        assert r["grouped_s"] > 0 and r["indexed_compiled_s"] > 0
+        assert r["grouped_s"] > 0 and r["indexed_compiled_s"] > 0 and r["one_call_s"] > 0
     written = json.loads(out.read_text())
     assert written["header"]["cpu"] and written["rows"] == result["rows"]
+
+
+def test_spread_draws_each_context_from_its_range():
+    from bench.decode_attention import BLOCK, cases
+
+    *_, fb, tables, lens = cases(64, 200, torch.Generator().manual_seed(1), spread=0.5)
+    assert 100 <= int(lens.min()) < 150 and 250 < int(lens.max()) <= 300
+    assert fb.decode_lens == lens.tolist() and tables.shape == (64, -(-int(lens.max()) // BLOCK))

@@ -292,6 +292,41 @@ def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_o
     assert len(kernel.packages) == 1
 
 
+def test_compiled_decode_attention_in_length_groups_equals_one_call_and_the_serving_path():
+    """`engine.paged_decode.length_groups` splits a ragged batch into groups of similar context
+    (every row once, ascending length, each group's table as wide as its longest row needs, at
+    least two rows and columns), and `CompiledDecode` through those groups (on one thread) returns what one call
+    of its package over the whole table and the serving path return; uniform or tiny batches stay
+    one call."""
+    from engine.attention import paged_attention
+    from engine.paged_decode import MAX_LENGTH_GROUPS, CompiledDecode, length_groups
+
+    block = 8
+    q, pool_k, pool_v, batch, lens = _indexed_case(block, torch.Generator().manual_seed(7))
+    tables, lens_t = batch.indexed_decode_inputs()
+    groups = length_groups(tables, lens_t, block)
+    assert groups is not None and len(groups) == min(MAX_LENGTH_GROUPS, len(lens) // 2)
+    rows = torch.cat([g[0] for g in groups])
+    assert sorted(rows.tolist()) == list(range(len(lens))) and lens[rows].tolist() == sorted(lens.tolist())
+    for index, group_tables, group_lens in groups:
+        assert len(index) >= 2 and torch.equal(group_lens, lens_t[index])
+        assert group_tables.shape[1] == max(2, int(-(-group_lens.max() // block))) <= tables.shape[1]
+        assert torch.equal(group_tables, tables[index, :group_tables.shape[1]])
+    kernel, threads = CompiledDecode(), torch.get_num_threads()
+    torch.set_num_threads(1)   # the groups are taken on one thread only
+    try:
+        got = kernel(q, pool_k, pool_v, batch, None, None, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert batch.memo(("length_groups", block), lambda: None) is not None   # it went through them
+    (package,) = kernel.packages.values()
+    torch.testing.assert_close(got, package(q.contiguous(), pool_k, pool_v, tables, lens_t)[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, paged_attention(q, None, None, pool_k, pool_v, batch, block), rtol=1e-5, atol=1e-5)
+    uniform = torch.full((6,), 40)
+    assert length_groups(tables[:6, :5], uniform, block) is None   # nothing padded to save
+    assert length_groups(tables[:3], lens_t[:3], block) is None   # too few rows to split
+
+
 def test_a_model_decodes_through_the_compiled_kernel_as_through_the_grouped_path():
     """A tiny model's decode steps (ragged contexts, a batch of one, a mixed pass of a prompt
     chunk beside one-token sequences) give the same logits through `CompiledDecode` as through
