@@ -6,9 +6,10 @@ block table by a compiled kernel.
 
 Per batch size and context (every sequence ``context`` tokens but every third one a quarter
 shorter, so the rows are ragged; with ``--spread S``, each sequence's context drawn uniformly
-from ``context * (1 - S) .. context * (1 + S)``, as a served batch's are), one layer of SmolLM2-135M's shapes (9 query heads, 3 KV heads,
-head_dim 64, blocks of 16 tokens, a bfloat16 pool stored head-major as `engine.kv_cache.KVPool`
-holds it, float32 queries, tables scattered over the pool), median milliseconds of:
+from ``context * (1 - S) .. context * (1 + S)``, as a served batch's are), one layer of
+SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16 tokens, a bfloat16
+pool stored head-major as `engine.kv_cache.KVPool` holds it, float32 queries, tables scattered
+over the pool), median milliseconds of:
 
 - ``grouped``: `engine.attention.paged_attention` as a decode step calls it on the CPU
   (`_decode_attention`: per `DecodeGroup`, K/V gathered, cast and attended by SDPA);
@@ -90,19 +91,21 @@ def main(argv=None) -> dict:
             row = {"batch": b, "context": context,
                    "grouped_s": median_time(lambda: paged_attention(q, None, None, k_pool, v_pool, fb, BLOCK),
                                             args.reps),
-                   "indexed_compiled_s": median_time(lambda: kernel(q, k_pool, v_pool, fb, None, None, None), args.reps),
+                   "indexed_compiled_s": median_time(lambda: kernel(q, k_pool, v_pool, fb, None, None, None),
+                                                     args.reps),
                    "one_call_s": median_time(_one_call(kernel, q, k_pool, v_pool, fb), args.reps),
                    "max_abs_diff": float((grouped - indexed).abs().max())}
             rows.append(row)
             print(f"batch {b} context {context}: grouped {row['grouped_s'] * 1e3:.3f} ms, "
-                  f"indexed compiled {row['indexed_compiled_s'] * 1e3:.3f} ms, one call {row['one_call_s'] * 1e3:.3f} ms",
-                  flush=True)
+                  f"indexed compiled {row['indexed_compiled_s'] * 1e3:.3f} ms, "
+                  f"one call {row['one_call_s'] * 1e3:.3f} ms", flush=True)
     print(f"first compiled call {first_call_s:.1f} s; {args.threads} thread(s); torch {torch.__version__}")
     print("| batch | context | grouped ms | indexed, compiled ms | speed-up | one call ms | max abs diff |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['context']} | {r['grouped_s'] * 1e3:.3f} | {r['indexed_compiled_s'] * 1e3:.3f} "
-              f"| {r['grouped_s'] / r['indexed_compiled_s']:.2f}x | {r['one_call_s'] * 1e3:.3f} | {r['max_abs_diff']:.1e} |")
+              f"| {r['grouped_s'] / r['indexed_compiled_s']:.2f}x | {r['one_call_s'] * 1e3:.3f} "
+              f"| {r['max_abs_diff']:.1e} |")
     result = {"threads": args.threads, "reps": args.reps, "spread": args.spread, "first_compiled_call_s": first_call_s,
               "rows": rows}
     if args.json:

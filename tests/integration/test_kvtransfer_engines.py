@@ -274,8 +274,10 @@ def test_a_writer_is_gone_once_its_last_connection_ends_closed_or_lost(engine_na
     blocks on gone (`DecodeArrivals`)."""
     from kvtransfer import ImmediateQueue, allocate_shared_buffer, auth
     arrivals = ImmediateQueue()
-    pool, shared = allocate_shared_buffer(1 << 16) if engine_name == "shm" else (torch.zeros(1 << 16, dtype=torch.uint8),
-                                                                                 None)
+    if engine_name == "shm":   # shm writes only into shared memory
+        pool, shared = allocate_shared_buffer(1 << 16)
+    else:
+        pool, shared = torch.zeros(1 << 16, dtype=torch.uint8), None
     with create_engine(engine_name, EngineConfig(secret=SECRET), arrivals=arrivals) as rx:
         key = rx.register_memory(pool, shared=shared).key
         src = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint8)

@@ -295,9 +295,9 @@ def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_o
 def test_compiled_decode_attention_in_length_groups_equals_one_call_and_the_serving_path():
     """`engine.paged_decode.length_groups` splits a ragged batch into groups of similar context
     (every row once, ascending length, each group's table as wide as its longest row needs, at
-    least two rows and columns), and `CompiledDecode` through those groups (on one thread) returns what one call
-    of its package over the whole table and the serving path return; uniform or tiny batches stay
-    one call."""
+    least two rows and columns), and `CompiledDecode` through those groups (on one thread)
+    returns what one call of its package over the whole table and the serving path return;
+    uniform or tiny batches stay one call."""
     from engine.attention import paged_attention
     from engine.paged_decode import MAX_LENGTH_GROUPS, CompiledDecode, length_groups
 
