@@ -87,7 +87,7 @@ def launcher_config(args: argparse.Namespace):
 
 def _up(args: argparse.Namespace) -> int:
     import signal
-    import threading
+    import time
 
     from deploy.launcher import Cluster, LaunchError
 
@@ -96,16 +96,14 @@ def _up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    wake = threading.Event()
+    # The handlers only append: a handler runs in the main thread, possibly while it holds a lock
+    # (an Event's, inside wait()), and one that takes that lock again blocks the process forever
+    # (`worker.runtime.install_stop_signals`). The loop below polls the lists.
     stop_signal: list[int] = []
-
-    def on_signal(signum, _frame):
-        stop_signal.append(signum)
-        wake.set()
-
+    child_exited: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    signal.signal(signal.SIGCHLD, lambda *_: wake.set())
+        signal.signal(sig, lambda signum, _frame: stop_signal.append(signum))
+    signal.signal(signal.SIGCHLD, lambda signum, _frame: child_exited.append(signum))
     cluster = Cluster(config)
     print(f"starting router + {config.num_prefill} prefill + {config.num_decode} decode "
           f"(logs in {cluster.log_dir}) ...", flush=True)
@@ -121,9 +119,13 @@ def _up(args: argparse.Namespace) -> int:
     try:
         if args.ask:
             _ask(cluster.url, args.ask)
+        checked = time.monotonic()
         while not stop_signal:
-            wake.wait(5.0)
-            wake.clear()
+            time.sleep(0.2)
+            if not child_exited and time.monotonic() - checked < 5.0:
+                continue
+            child_exited.clear()
+            checked = time.monotonic()
             dead = cluster.dead_children()
             if dead and not stop_signal:
                 for child in dead:

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, TypeVar
 
@@ -412,6 +413,24 @@ def run_on_own_thread(name: str, fn: Callable[..., T], *args) -> T:
     return out[0]
 
 
+STOP_POLL_S = 0.2
+"""How often `serve`'s main thread looks for a stop signal (seconds)."""
+
+
+def install_stop_signals() -> list[int]:
+    """SIGTERM and SIGINT handlers that only append the signal's number to the returned list.
+
+    A Python signal handler runs in the main thread between two of its bytecodes, possibly while
+    that thread holds a lock: inside ``threading.Event.wait`` it holds the event's condition
+    lock, and a handler calling ``Event.set`` there takes that lock again and blocks the process
+    forever (a worker once ignored every later SIGTERM that way). Appending to a list takes no
+    lock; the caller polls the list. Call from the main thread."""
+    received: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    return received
+
+
 def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerProcess]) -> int:
     """Run a worker until SIGTERM/SIGINT; returns the process exit code: 0, 3 when the router
     refused the registration, 4 when the worker was lost (`WorkerResources.lose`)."""
@@ -419,13 +438,11 @@ def serve(config: WorkerConfig, build: Callable[[WorkerConfig], WorkerProcess]) 
     bound_native_memory(config.role)
     pin_to_own_cpus(config)
     process = run_on_own_thread("worker-build", build, config)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = install_stop_signals()
     process.start()
-    while not stop.is_set() and not process.stopped.is_set() and not process.res.lost.is_set():
-        stop.wait(0.5)
-    refused = process.stopped.is_set() and not stop.is_set()
+    while not stop and not process.stopped.is_set() and not process.res.lost.is_set():
+        time.sleep(STOP_POLL_S)
+    refused = process.stopped.is_set() and not stop
     lost = process.res.lost.is_set()
     process.stop()
     return 4 if lost else 3 if refused else 0
