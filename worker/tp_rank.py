@@ -161,29 +161,23 @@ class _ForwardArrivals:
     def __init__(self, send: Callable[[tuple], None]):
         self._send = send
 
-    def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+    def _tell(self, event: tuple) -> None:
         try:
-            self._send(("imm", imm, source, count))
+            self._send(event)
         except OSError:   # rank 0 is gone: this process exits soon (tp-parent-watch)
             pass
 
+    def on_immediate(self, imm: int, source: str, count: int = 1) -> None:
+        self._tell(("imm", imm, source, count))
+
     def on_peer_lost(self, source: str, error: TransferError) -> None:
-        try:
-            self._send(("lost", source, str(error)))
-        except OSError:
-            pass
+        self._tell(("lost", source, str(error)))
 
     def on_peer_connected(self, source: str) -> None:
-        try:
-            self._send(("connected", source))
-        except OSError:
-            pass
+        self._tell(("connected", source))
 
     def on_peer_gone(self, source: str) -> None:
-        try:
-            self._send(("gone", source))
-        except OSError:
-            pass
+        self._tell(("gone", source))
 
 
 class RankDataPlane:
