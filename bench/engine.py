@@ -73,22 +73,26 @@ def bench_decode_hf(hf, batch: int, prompt_len: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
-def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int = 50) -> list[dict]:
-    """Layer 0's projections (wqkv, wo, gate/up, down) of the native weights, microseconds per set
-    at each row count: the int4 kernel, the dense copy native mode falls back to, float32
-    (fp32 mode's path), all through ``backend``; and the W8A8 path measured but not taken
-    (`engine.mlas.RowInt8MatMul`): its integer GEMM alone on already quantized rows
-    (``int8_gemm_us``) and with the per-row quantization and the scaling back (``w8a8_us``).
-    Where int4 stops winning is ``max_int4_rows``."""
+def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int = 50,
+                  every_layer: bool = False) -> list[dict]:
+    """Layer 0's projections (wqkv, wo, gate/up, down) of the native weights, or with
+    ``every_layer`` every layer's in forward order (their weights out of cache, as a step meets
+    them and as the model times its choices at load), microseconds per set at each row count:
+    the two low-bit kernels of `engine.quant.Int4Linear` (``int4_us``: torch's int4 kernel,
+    bfloat16 inputs; ``nbits_us``: MatMulNBits, int8 inputs per block), the dense copy native
+    mode falls back to, float32 (fp32 mode's path), all through ``backend``; and the W8A8 path
+    measured but not taken (`engine.mlas.RowInt8MatMul`): its integer GEMM alone on already
+    quantized rows (``int8_gemm_us``) and with the per-row quantization and the scaling back
+    (``w8a8_us``). Where the faster low-bit kernel stops winning is ``max_int4_rows``."""
     from engine.linear import Linear
     from engine.mlas import RowInt8MatMul
     from engine.quant import Int4Linear
     from engine.loader import load_weights
 
     _, weights = load_weights(path, torch.float32, native=True)
-    layer = weights.layers[0]
-    quantized = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
-    native = [Int4Linear(w, max_int4_rows=0, dense_backend=backend) for w in quantized]
+    layers = weights.layers if every_layer else weights.layers[:1]
+    quantized = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    native = [Int4Linear(w, max_int4_rows=0, dense_backend=backend, kernels=("int4", "nbits")) for w in quantized]
     fp32 = [Linear(w.dequantize(), backend) for w in quantized]
     w8a8 = [RowInt8MatMul(w.dequantize()) for w in quantized]
     out = []
@@ -98,14 +102,14 @@ def bench_linears(path, backend: str, rows=(1, 2, 4, 8, 16, 32, 128), reps: int 
         def run(fn) -> float:
             return median_time(lambda: [fn(i) for i in range(len(xs))], reps) * 1e6
 
-        int4 = run(lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xs[i].bfloat16(), native[i]._packed, 32, native[i]._scale_zero))
+        int4 = run(lambda i: native[i].int4(xs[i]))
+        nbits = run(lambda i: native[i].nbits(xs[i]))
         dense = run(lambda i: native[i](xs[i]))   # max_int4_rows=0: always the dense copy
         f32 = run(lambda i: fp32[i](xs[i]))
         codes = [RowInt8MatMul.quantize(x)[0] for x in xs]
         gemm = run(lambda i: w8a8[i].gemm(codes[i]))
         full = run(lambda i: w8a8[i](xs[i]))
-        out.append({"rows": m, "int4_us": int4, "dense_us": dense, "fp32_us": f32,
+        out.append({"rows": m, "int4_us": int4, "nbits_us": nbits, "dense_us": dense, "fp32_us": f32,
                     "int8_gemm_us": gemm, "w8a8_us": full})
     return out
 
@@ -118,7 +122,7 @@ def kernel_path(loaded) -> str:
 
         rows, dense = model._layers[0].wqkv.max_int4_rows, str(dense_dtype()).removeprefix("torch.")
         head = model._lm_head.max_int8_rows
-        return (f"int4 (<= {rows} rows, measured at load), {model.linear_backend} {dense} above; lm_head Q8_0 on "
+        return (f"{model.low_bit_kernel} (<= {rows} rows, measured at load), {model.linear_backend} {dense} above; lm_head Q8_0 on "
                 f"onnxruntime MatMulNBits (<= {head} rows), {model.linear_backend} {dense} above; KV {loaded.kv_dtype}, attention float32")
     gemv = ", one row: sgemv copies (measured faster)" if model.gemv_copies else ""
     return f"{model._layers[0].wqkv.backend} {loaded.dtype}{gemv}, KV {loaded.kv_dtype}"
@@ -130,7 +134,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
     ap.add_argument("--weights", default="fp32", help="comma-separated --weights modes (fp32, bf16, native)")
     ap.add_argument("--linears", action="store_true",
-                    help="also time one layer's projections per row count: int4 kernel, dense copies, W8A8")
+                    help="also time one layer's projections per row count: the low-bit kernels, dense copies, W8A8")
+    ap.add_argument("--every-layer", action="store_true",
+                    help="with --linears: every layer's projections in turn (out of cache, as a step meets them)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.weights.split(",") if m.strip()]
@@ -172,12 +178,15 @@ def main(argv=None) -> dict:
         from engine.quant import dense_dtype
 
         lin = bench_linears(models["native"].path, models["native"].model.linear_backend,
-                            reps=10 if args.quick else 50)
+                            reps=(3 if args.every_layer else 10) if args.quick else (9 if args.every_layer else 50),
+                            every_layer=args.every_layer)
         dense = str(dense_dtype()).removeprefix("torch.")
-        print(f"\none layer's projections, microseconds per call (dense copy: {dense})")
-        print(f"{'rows':>5} {'int4':>9} {'dense':>9} {'fp32':>9} {'int8 gemm':>10} {'w8a8':>9}")
+        which = "every layer's" if args.every_layer else "one layer's"
+        print(f"\n{which} projections, microseconds per set (dense copy: {dense}; the model keeps "
+              f"{models['native'].model.low_bit_kernel} up to {models['native'].model.max_int4_rows} rows)")
+        print(f"{'rows':>5} {'int4':>9} {'nbits':>9} {'dense':>9} {'fp32':>9} {'int8 gemm':>10} {'w8a8':>9}")
         for r in lin:
-            print(f"{r['rows']:>5} {r['int4_us']:>9.0f} {r['dense_us']:>9.0f} {r['fp32_us']:>9.0f} "
+            print(f"{r['rows']:>5} {r['int4_us']:>9.0f} {r['nbits_us']:>9.0f} {r['dense_us']:>9.0f} {r['fp32_us']:>9.0f} "
                   f"{r['int8_gemm_us']:>10.0f} {r['w8a8_us']:>9.0f}")
         print("(int8 gemm: W8A8's integer product alone; w8a8: with per-row quantization and scaling back)")
         result["linears"] = lin

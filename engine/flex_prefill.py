@@ -22,12 +22,15 @@ from engine.aot_kernel import AotPackage, package_for
 BLOCK = 64
 """Rows (queries) and columns (keys) of one block of the causal block mask."""
 
-QK_REGISTER_BLOCK = {512: (8, 16), 256: (4, 16)}
+QK_REGISTER_BLOCK = {512: (8, 16)}
 """By the width in bits of the vector instructions inductor writes for: the register block (query
 rows, key columns) of the score micro-GEMM (Q K^T) in the generated FlexAttention kernel, which
 inductor's CPU template fixes at 1 x 16 (``CppFlexAttentionTemplate.micro_gemm_define``, torch
 2.13), a single accumulator per 16 scores. `qk_register_block` applies it to a build; measured
-against 1 x 16: docs/PERFORMANCE.md, "The score micro-kernel of prefill attention"."""
+against 1 x 16: docs/PERFORMANCE.md, "The score micro-kernel of prefill attention". None for
+256-bit code (AVX2): 4 x 16 there computed wrong attention on a real AVX2 CPU (a 200-token
+chunk after 16 cached tokens, off by 3.4; `tests/unit/test_bench_prefill_attention.py`), though
+right as 256-bit code on an AVX-512 one; docs/PERFORMANCE.md, "An AVX2-only EPYC"."""
 
 log = logging.getLogger(__name__)
 

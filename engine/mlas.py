@@ -14,10 +14,10 @@ Where it is used (measured: docs/PERFORMANCE.md, "Q8_0 head on MatMulNBits" and 
 for the 4-bit projections"):
 - the LM head at one or a few rows: faster than torch's ``aten._weight_int8pack_mm`` (which
   dequantizes every weight to float) and than a bfloat16 dense matmul. Taken.
-- the 4-bit projections (Q4_1, where a per-block minimum rides on a second small matmul of
-  per-block input sums, since the operator's zero point is an integer): faster for one warm
-  projection alone, slower over a decode step's projections with their weights out of cache (a
-  session run's fixed cost is higher when its state is cold). Not taken (`engine.quant.Int4Linear`).
+- the 4-bit projections for few rows (Q4_1's per-block minimum rides on a second small matmul
+  of per-block input sums in the same session, ``offset``, since the operator's zero point is an
+  integer): where it beats torch's int4 kernel, timed at load (`engine.quant.Int4Linear`,
+  `engine.quant.measure_low_bit_kernel`): on AVX2 CPUs, not on an AVX512-BF16 EPYC.
 - with more rows MLAS loses to a blocked bfloat16 matmul, so the head keeps a dense copy for those.
 
 `RowInt8MatMul` is the other int8 path measured here and not taken: int8 activations with one
@@ -75,14 +75,17 @@ def session_options(threads: int = 1):
 
 
 def _matmul_session(node, inits: list, a: tuple[int, int], y: tuple[int, int], threads: int):
-    """An onnxruntime session running the one matmul ``node`` (weights in ``inits``) from input
-    ``A`` ``[M, a[1]]`` of ONNX element type ``a[0]`` to output ``Y`` ``[M, y[1]]`` of type ``y[0]``.
+    """An onnxruntime session running the matmul ``node`` (or a list of nodes, the first one
+    naming the graph; weights in ``inits``) from input ``A`` ``[M, a[1]]`` of ONNX element type
+    ``a[0]`` to output ``Y`` ``[M, y[1]]`` of type ``y[0]``.
     Raises:
         KernelUnavailable: onnxruntime cannot build or run it here."""
     _, ort = _onnx()
     from onnx import helper
 
-    graph = helper.make_graph([node], node.op_type,
+    nodes = node if isinstance(node, list) else [node]
+    node = nodes[0]
+    graph = helper.make_graph(nodes, node.op_type,
                               [helper.make_tensor_value_info("A", a[0], [None, a[1]])],
                               [helper.make_tensor_value_info("Y", y[0], [None, y[1]])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
@@ -102,6 +105,10 @@ class NBitsMatMul:
         scale: ``[N, K // 32]`` float32, one per block.
         bits: 4 or 8; the zero point is ``2 ** (bits - 1)``: ``W = (code - 2^(bits-1)) * scale``.
         threads: intra-op threads (`session_options`).
+        offset: None, or ``[N, K // 32]`` float32 added to every weight of its block:
+            ``W = (code - 2^(bits-1)) * scale + offset`` (GGUF Q4_1's minimum; the operator's
+            own zero point is an integer). Computed in the same session, exactly in float32:
+            ``Y += block_sums(A) @ offset.T``, ``block_sums`` summing each block of ``A``.
     Call with ``x``: ``[M, K]`` (any float dtype; computed from float32); returns ``[M, N]``
     float32.
     Raises:
@@ -109,7 +116,7 @@ class NBitsMatMul:
         ValueError: shapes or bits that do not fit.
     """
 
-    def __init__(self, codes, scale, bits: int, threads: int = 1):
+    def __init__(self, codes, scale, bits: int, threads: int = 1, offset=None):
         _onnx()   # KernelUnavailable before the onnx imports below
         from onnx import TensorProto, helper, numpy_helper
 
@@ -128,9 +135,21 @@ class NBitsMatMul:
         else:
             packed = codes.reshape(n, k // BLOCK, BLOCK)
         inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scale.reshape(-1), "S")]
-        node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n,
-                                bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_INT8)
-        self._session = _matmul_session(node, inits, (TensorProto.FLOAT, k), (TensorProto.FLOAT, n), threads)
+        nodes = [helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y" if offset is None else "Q"],
+                                  domain="com.microsoft", K=k, N=n, bits=bits, block_size=BLOCK,
+                                  accuracy_level=ACCURACY_INT8)]
+        if offset is not None:
+            offset = np.asarray(offset, dtype=np.float32)
+            if offset.shape != scale.shape:
+                raise ValueError(f"offset shape {offset.shape} != {scale.shape}")
+            inits += [numpy_helper.from_array(np.array([-1, k // BLOCK, BLOCK], np.int64), "blocks"),
+                      numpy_helper.from_array(np.array([2], np.int64), "within"),
+                      numpy_helper.from_array(np.ascontiguousarray(offset.T), "offset_t")]
+            nodes += [helper.make_node("Reshape", ["A", "blocks"], ["Ab"]),
+                      helper.make_node("ReduceSum", ["Ab", "within"], ["sums"], keepdims=0),
+                      helper.make_node("MatMul", ["sums", "offset_t"], ["O"]),
+                      helper.make_node("Add", ["Q", "O"], ["Y"])]
+        self._session = _matmul_session(nodes, inits, (TensorProto.FLOAT, k), (TensorProto.FLOAT, n), threads)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         a = x.detach().to(torch.float32).contiguous().numpy()
@@ -158,8 +177,11 @@ def q8_codes(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 class RowInt8MatMul:
     """``y ~= x @ W.T`` with int8 activations, one scale per row, and int8 weights, one scale per
     output channel (symmetric: ``x ~= s_row * qx``, ``W ~= qw * s_col``), the integer product on
-    onnxruntime's ``MatMulInteger`` (ONNX operator; uint8 ``A`` with zero point 128 against int8
-    ``B``; its ``A`` zero point can only be one scalar, so rows are scaled symmetrically).
+    onnxruntime's ``MatMulInteger`` (ONNX operator; uint8 ``A`` and ``B``, each with zero point
+    128; its ``A`` zero point can only be one scalar, so rows are scaled symmetrically). ``B`` is
+    uint8, not int8: MLAS's uint8 x int8 kernel on an AVX2 CPU without VNNI multiplies with
+    ``vpmaddubsw``, whose int16 pair sums saturate (8% off on random data, measured), where its
+    uint8 x uint8 kernel widens to int16 first and is exact.
     A row's result depends on that row alone (no batch-wide scale). Measured, not used by the
     engine (module docstring).
 
@@ -179,10 +201,11 @@ class RowInt8MatMul:
         w = weight.detach().float()
         self.out_features, self.in_features = n, k = w.shape
         self.col_scale = (w.abs().amax(1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-        qw = torch.round(w / self.col_scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        inits = [numpy_helper.from_array(qw.t().contiguous().numpy(), "B"),
-                 numpy_helper.from_array(np.array(128, dtype=np.uint8), "AZ")]
-        node = helper.make_node("MatMulInteger", ["A", "B", "AZ"], ["Y"])
+        qw = torch.round(w / self.col_scale[:, None]).clamp_(-127, 127).to(torch.int16) + 128
+        inits = [numpy_helper.from_array(qw.to(torch.uint8).t().contiguous().numpy(), "B"),
+                 numpy_helper.from_array(np.array(128, dtype=np.uint8), "AZ"),
+                 numpy_helper.from_array(np.array(128, dtype=np.uint8), "BZ")]
+        node = helper.make_node("MatMulInteger", ["A", "B", "AZ", "BZ"], ["Y"])
         self._session = _matmul_session(node, inits, (TensorProto.UINT8, k), (TensorProto.INT32, n), threads)
 
     @staticmethod

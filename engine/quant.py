@@ -40,6 +40,7 @@ GROUP_SIZE = BLOCK   # QK4_0 == QK4_1 == 32 in ggml; a Q4_K sub-block is 32 weig
 _BLOCK = {"Q4_0": (18, False), "Q4_1": (20, True)}
 QK_K, Q4_K_BYTES = 256, 144   # ggml-common.h: block_q4_K holds 256 weights in 144 bytes
 NATIVE_TYPES = frozenset([*_BLOCK, "Q4_K"])
+LOW_BIT_KERNELS = ("int4", "nbits")   # `Int4Linear`'s kernels for few rows
 
 
 class QuantFormatError(ValueError):
@@ -175,40 +176,88 @@ class Int4Weight:
 class Int4Linear:
     """``y = x @ W.T`` for an `Int4Weight`.
 
+    Two low-bit kernels read the 4-bit codes as stored, for inputs of few rows (decode):
+    - ``"int4"``: torch's int4 weight-only matmul on bfloat16 inputs (module docstring);
+    - ``"nbits"``: onnxruntime's MatMulNBits (`engine.mlas.NBitsMatMul`, 4 bits, zero point 8),
+      which rounds each 32-wide block of the input to int8 and multiplies with integer dot
+      products, llama.cpp's arithmetic for its Q4 formats (``ggml_vec_dot_q4_1_q8_1``). It computes
+      ``x @ (scale (q - 8)).T``; the minimum rides on a second, small product in the same
+      session (`engine.mlas.NBitsMatMul`'s ``offset``: ``zero = minimum + 8 scale``,
+      ``[out, in / 32]``, times each block's sum of ``x``, in float32; none for Q4_0, whose
+      ``zero`` is 0).
+    Which one is faster depends on the CPU (docs/PERFORMANCE.md, "MatMulNBits for the 4-bit
+    projections"): the model times both at load (`measure_low_bit_kernel`) and keeps one
+    (`keep_kernel`).
+
     Args:
         weight: the quantized weight, ``[out_features, in_features]``.
-        max_int4_rows: inputs with at most this many rows use the int4 kernel; more rows use the
-            dequantized bfloat16 copy (see module docstring). 0: never the int4 kernel.
-        dense_backend: "onednn" or "torch" for the bfloat16 copy (`engine.linear`).
+        max_int4_rows: inputs with at most this many rows use the low-bit kernel; more rows use
+            the dequantized copy (see module docstring). 0: never the low-bit kernel.
+        dense_backend: "onednn" or "torch" for the dense copy (`engine.linear`).
+        kernels: the low-bit kernels to build, the first one used until `keep_kernel` says
+            otherwise (``("int4",)``, ``("nbits",)`` or both, to be timed).
     Call with ``x``: ``[tokens, in_features]`` float32 or bfloat16; returns ``[tokens, out_features]``
-    in ``x``'s dtype (computed from bfloat16 inputs).
+    in ``x``'s dtype.
     Raises:
-        RuntimeError: from torch, when this build lacks the kernel (check `int4_kernel_available`).
+        ValueError: an unknown kernel name.
+        RuntimeError: from torch, when this build lacks the int4 kernel (check `int4_kernel_available`).
+        engine.mlas.KernelUnavailable: ``"nbits"`` without onnxruntime.
     """
 
-    def __init__(self, weight: Int4Weight, max_int4_rows: int, dense_backend: str):
+    def __init__(self, weight: Int4Weight, max_int4_rows: int, dense_backend: str,
+                 kernels: tuple[str, ...] = ("int4",)):
+        if not kernels or set(kernels) - set(LOW_BIT_KERNELS):
+            raise ValueError(f"low-bit kernels must be among {LOW_BIT_KERNELS}, got {kernels!r}")
         self.out_features, self.in_features = weight.shape
         self.max_int4_rows = max_int4_rows
-        # innerKTiles is unused by the CPU packing (kept for the CUDA op's signature)
-        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-        zero = weight.minimum + 8.0 * weight.scale
-        # [in_features // 32, out_features, 2]
-        self._scale_zero = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        self.kernel = kernels[0]
+        self._packed = self._scale_zero = self._nbits = None
+        if "int4" in kernels:
+            # innerKTiles is unused by the CPU packing (kept for the CUDA op's signature)
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+            zero = weight.minimum + 8.0 * weight.scale
+            # [in_features // 32, out_features, 2]
+            self._scale_zero = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        if "nbits" in kernels:
+            zero = weight.minimum + 8.0 * weight.scale   # [out, in / 32]: 0 for Q4_0
+            self._nbits = NBitsMatMul(weight.codes, weight.scale, bits=4,
+                                      offset=zero.numpy() if bool(zero.any()) else None)
         self._dense_dtype = dense_dtype()
         self._dense = Linear(weight.dequantize().to(self._dense_dtype), dense_backend)
 
     def set_max_rows(self, rows: int) -> None:
-        """Use the int4 kernel up to ``rows`` rows from now on."""
+        """Use the low-bit kernel up to ``rows`` rows from now on."""
         self.max_int4_rows = rows
+
+    def keep_kernel(self, kernel: str) -> None:
+        """Use ``kernel`` (one of those built) for few rows from now on, and free the other.
+        Raises:
+            ValueError: ``kernel`` was not built."""
+        if (kernel == "int4" and self._packed is None) or (kernel == "nbits" and self._nbits is None) \
+                or kernel not in LOW_BIT_KERNELS:
+            raise ValueError(f"low-bit kernel {kernel!r} was not built")
+        self.kernel = kernel
+        if kernel == "int4":
+            self._nbits = None
+        else:
+            self._packed = self._scale_zero = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.low_bit(x) if x.shape[0] <= self.max_int4_rows else self.dense(x)
         return y.to(x.dtype)
 
     def low_bit(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` through the int4 kernel, in bfloat16."""
+        """``x @ W.T`` through the low-bit kernel in use (``self.kernel``)."""
+        return self.int4(x) if self.kernel == "int4" else self.nbits(x)
+
+    def int4(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through torch's int4 kernel, in bfloat16."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self._packed,
                                                           GROUP_SIZE, self._scale_zero)
+
+    def nbits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through MatMulNBits and the minimum's product (class docstring), in float32."""
+        return self._nbits(x)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` through the dense copy, in `dense_dtype`."""
@@ -298,7 +347,7 @@ class HeadLinear:
         return self._dense(x.to(self._dtype).contiguous())
 
 
-ROW_CANDIDATES = (1, 2, 4, 8)
+ROW_CANDIDATES = (1, 2, 4, 8, 16, 32)
 
 
 def measure_max_low_bit_rows(linears: list, candidates: tuple[int, ...] = ROW_CANDIDATES, reps: int = 5) -> int:
@@ -307,15 +356,17 @@ def measure_max_low_bit_rows(linears: list, candidates: tuple[int, ...] = ROW_CA
     Whether int4/int8 weight-only kernels (matrix-vector products, reading fewer bytes) beat a
     blocked bfloat16/float32 matmul, and up to how many rows, depends on the CPU, so the threshold
     is measured at load: for each candidate row count in ascending order, the median of ``reps``
-    runs of every linear through ``low_bit`` and through ``dense``; the answer is the last count
-    before the first one where ``low_bit`` is not faster (0: never).
+    runs of every linear through ``low_bit`` and through ``dense`` (``reps // 2 + 1`` runs above
+    8 rows, whose float32 copies on an AVX2 CPU make each run costly); the answer is the last
+    count before the first one where ``low_bit`` is not faster (0: never).
 
     Time what a forward pass runs: every layer's projections in turn, whose weights are out of
     cache when each is met (the dense bfloat16 copies of SmolLM2-135M are 4x the int4 bytes and
     ~7x the L3 cache). Timed on one layer alone, its weights stay cached across the repetitions
     and the dense copy looks better than it is: on the project's AMD EPYC (AVX512-BF16) layer 0
-    alone chose fewer rows than the whole step's projections favour. Cost: a fraction of a second
-    at load for SmolLM2-135M. Measured: docs/PERFORMANCE.md, "int4 row threshold".
+    alone chose fewer rows than the whole step's projections favour. Cost at load for
+    SmolLM2-135M: docs/PERFORMANCE.md, "int4 row threshold" and "MatMulNBits for the 4-bit
+    projections".
 
     Args:
         linears: `Int4Linear` or `HeadLinear` objects (anything with ``in_features``,
@@ -328,7 +379,24 @@ def measure_max_low_bit_rows(linears: list, candidates: tuple[int, ...] = ROW_CA
     gen = torch.Generator().manual_seed(0)
     for m in candidates:
         xs = [torch.randn(m, lin.in_features, generator=gen) for lin in linears]
-        if median_seconds(linears, xs, "low_bit", reps) >= median_seconds(linears, xs, "dense", reps):
+        r = reps if m <= 8 else max(1, reps // 2 + 1)   # the costly runs (an AVX2 CPU's float32 copies) fewer times
+        if median_seconds(linears, xs, "low_bit", r) >= median_seconds(linears, xs, "dense", r):
             break
         best = m
     return best
+
+
+def measure_low_bit_kernel(linears: list, reps: int = 5) -> str:
+    """Which of `Int4Linear`'s low-bit kernels runs one-row inputs faster on this CPU: every
+    linear in turn, in forward order (weights out of cache, as a decode step meets them), the
+    median of ``reps`` runs through each; ties keep ``"int4"``.
+
+    Args:
+        linears: `Int4Linear` objects built with both kernels.
+    Returns:
+        ``"int4"`` or ``"nbits"`` (`LOW_BIT_KERNELS`).
+    """
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, lin.in_features, generator=gen) for lin in linears]
+    int4 = median_seconds(linears, xs, "int4", reps)
+    return "nbits" if median_seconds(linears, xs, "nbits", reps) < int4 else "int4"

@@ -31,7 +31,8 @@ from engine.linear import Linear, bf16_matmul_fast, gemv_copy_pays, resolve_back
 from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
 from engine.models.rope import RotaryEmbedding
-from engine.quant import HeadLinear, Int4Linear, Int4Weight, measure_max_low_bit_rows
+from engine.quant import (LOW_BIT_KERNELS, HeadLinear, Int4Linear, Int4Weight, measure_low_bit_kernel,
+                          measure_max_low_bit_rows)
 from engine.tp import TPGroup, local_config, vocab_rows
 from engine.weights import LayerWeights, LlamaWeights
 
@@ -59,9 +60,11 @@ class LlamaModel:
                  gemv_copies: bool = True, compiled: bool = False, tp: TPGroup | None = None):
         """Args:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
-            max_int4_rows: 4-bit projections (`engine.quant`) use the int4 kernel for at most this
-                many tokens per forward pass, their dequantized copy above it. None: measured on
-                this CPU at load, over every layer's projections (`engine.quant.measure_max_low_bit_rows`).
+            max_int4_rows: 4-bit projections (`engine.quant.Int4Linear`) use a low-bit kernel for
+                at most this many tokens per forward pass, their dequantized copy above it. None:
+                measured on this CPU at load, over every layer's projections, and so is which
+                low-bit kernel (`engine.quant.measure_low_bit_kernel`, then
+                `engine.quant.measure_max_low_bit_rows`); given: torch's int4 kernel.
             max_int8_head_rows: with 4-bit projections, the LM head runs the file's Q8_0 blocks
                 (int8 activations, `engine.mlas`) for at most this many logits rows, a dense
                 copy above it (`engine.quant.HeadLinear`). None: measured at load, as
@@ -121,8 +124,10 @@ class LlamaModel:
         weights.lm_head = None   # a tied head's weight stays referenced as the embedding
         self._layers, self._experts = [], []
         self.gemv_copies = False
+        self.low_bit_kernel = None   # the 4-bit projections' kernel for few rows (`_choose_low_bit_rows`)
         for i, layer in enumerate(weights.layers):
-            self._layers.append(_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies))
+            self._layers.append(_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies,
+                                              LOW_BIT_KERNELS if max_int4_rows is None else ("int4",)))
             self._experts.append(None if layer.experts is None else RoutedExperts(
                 layer.experts, config.num_experts_per_tok, config.norm_topk_prob, backend))
             layer.experts = None
@@ -393,16 +398,21 @@ class LlamaModel:
         a step meets them) and on the head (`measure_max_low_bit_rows`)."""
         int4 = [p for lin in self._layers for p in vars(lin).values() if isinstance(p, Int4Linear)]
         how = "measured" if int4_rows is None or head_rows is None else "given"
-        if int4_rows is None:
-            int4_rows = measure_max_low_bit_rows(int4) if int4 else 0
+        if int4_rows is None and int4:   # built with both low-bit kernels: keep the faster
+            kernel = measure_low_bit_kernel(int4)
+            for p in int4:
+                p.keep_kernel(kernel)
+            int4_rows = measure_max_low_bit_rows(int4)
+        int4_rows = int4_rows or 0
+        self.low_bit_kernel = int4[0].kernel if int4 else None
         if head_rows is None:
             head_rows = measure_max_low_bit_rows([self._lm_head], candidates=(1, 2, 4), reps=3)
         for p in int4:
             p.set_max_rows(int4_rows)
         self._lm_head.set_max_rows(head_rows)
         self.max_int4_rows, self.max_int8_head_rows = int4_rows, head_rows
-        log.info("native weights: int4 kernel up to %d rows, int8 head up to %d rows (%s)",
-                 int4_rows, head_rows, how)
+        log.info("native weights: 4-bit projections through the %s kernel up to %d rows, int8 head "
+                 "up to %d rows (%s)", self.low_bit_kernel, int4_rows, head_rows, how)
 
 
 class _LayerExtras:
@@ -421,9 +431,10 @@ class _LayerLinears:
     """A layer's projections as kernels (`Linear`, `Int4Linear`; None where the layer has
     experts instead), each original set to None in ``layer`` as soon as its kernel is built."""
 
-    def __init__(self, layer: LayerWeights, backend: str, max_int4_rows: int, gemv_copies: bool):
+    def __init__(self, layer: LayerWeights, backend: str, max_int4_rows: int, gemv_copies: bool,
+                 low_bit_kernels: tuple[str, ...]):
         def make(w):
-            return (Int4Linear(w, max_int4_rows, backend) if isinstance(w, Int4Weight)
+            return (Int4Linear(w, max_int4_rows, backend, low_bit_kernels) if isinstance(w, Int4Weight)
                     else Linear(w, backend, gemv_copies))
 
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):   # forward order (`vars` relies on it)

@@ -74,6 +74,45 @@ def test_int4_and_dense_paths_compute_the_same_product(rows, backend):
 
 
 
+
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_nbits_kernel_computes_the_product_with_the_minimum(kind, rows):
+    """MatMulNBits (int8 activations per 32-wide block) plus the minimum's block-sum product
+    equals a float matmul with the file's weights within int8 rounding; Q4_0 has no minimum term.
+    Without the minimum's product the Q4_1 result is off (the check can fail)."""
+    data, shape = _quantized(kind, n=96, k=128)
+    w = Int4Weight.from_gguf(data, kind.name, shape)
+    lin = Int4Linear(w, 64, "torch", kernels=("nbits",))
+    assert lin.kernel == "nbits" and lin._packed is None
+
+    x = torch.randn(rows, 128)
+    ref = x @ w.dequantize().T
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 96)
+    assert float((y - ref).norm() / ref.norm()) < 1e-2
+    if kind == T.Q4_1:   # without the minimum's product the result is off
+        from engine.mlas import NBitsMatMul
+
+        no_min = NBitsMatMul(w.codes, w.scale, bits=4)
+        assert float((no_min(x) - ref).norm() / ref.norm()) > 0.1
+
+
+def test_keep_kernel_frees_the_other_and_refuses_one_not_built():
+    data, shape = _quantized(T.Q4_1, n=96, k=128)
+    w = Int4Weight.from_gguf(data, "Q4_1", shape)
+    x = torch.randn(2, 128)
+    both = Int4Linear(w, 64, "torch", kernels=("int4", "nbits"))
+    assert both.kernel == "int4" and torch.equal(both(x), both.int4(x).float())
+    both.keep_kernel("nbits")
+    assert both._packed is None and both._scale_zero is None and torch.equal(both(x), both.nbits(x))
+    with pytest.raises(ValueError, match="not built"):
+        both.keep_kernel("int4")
+    with pytest.raises(ValueError, match="low-bit kernels"):
+        Int4Linear(w, 64, "torch", kernels=("int8",))
+    with pytest.raises(ValueError, match="low-bit kernels"):
+        Int4Linear(w, 64, "torch", kernels=())
+
 @pytest.mark.parametrize("backend", ["torch", "onednn"])
 def test_lm_head_int8_and_dense_paths_agree_with_the_weights(backend):
     from engine.linear import onednn_available
@@ -250,21 +289,26 @@ def test_low_bit_rows_are_those_before_the_first_row_count_where_it_loses():
     # the low-bit path costs 1 ms per row, the dense copy 3 ms whatever the rows: wins at 1 and 2
     assert measure_max_low_bit_rows([_TimedPaths(1e-3, 3e-3)], reps=3) == 2
     assert measure_max_low_bit_rows([_TimedPaths(4e-3, 3e-3)], reps=3) == 0    # never
-    assert measure_max_low_bit_rows([_TimedPaths(1e-4, 3e-3)], reps=3) == 8    # every candidate
+    assert measure_max_low_bit_rows([_TimedPaths(1e-5, 3e-3)], reps=3) == 32   # every candidate
 
 
 def test_measured_thresholds_apply_to_every_projection():
-    """The real kernels, timed on this CPU: whatever row count is chosen, every 4-bit projection
-    of the model uses it, and inputs up to it take the int4 kernel (the packed codes' bfloat16
-    result), above it the dense copy."""
+    """The real kernels, timed on this CPU: whatever low-bit kernel and row count are chosen,
+    every 4-bit projection of the model uses them, and inputs up to the rows take the low-bit
+    kernel, above them the dense copy."""
     from engine.loader import load_model
 
     m = load_model(weights="native")
     rows = m.model.max_int4_rows
-    assert rows in (0, 1, 2, 4, 8) and m.model._lm_head.max_int8_rows == 4
+    assert rows in (0, 1, 2, 4, 8, 16, 32) and m.model._lm_head.max_int8_rows == 4
     assert {p.max_int4_rows for lin in m.model._layers for p in vars(lin).values()
             if isinstance(p, Int4Linear)} == {rows}
     wo = m.model._layers[0].wo
+    # the low-bit kernel timed faster at one row, the same for every projection, the other freed
+    assert m.model.low_bit_kernel in ("int4", "nbits")
+    assert {p.kernel for lin in m.model._layers for p in vars(lin).values()
+            if isinstance(p, Int4Linear)} == {m.model.low_bit_kernel}
+    assert (wo._packed is None) == (m.model.low_bit_kernel == "nbits") and (wo._nbits is None) == (wo.kernel == "int4")
     for n in {max(rows, 1), rows + 1}:
         x = torch.randn(n, wo.in_features)
         want = wo.low_bit(x) if n <= rows else wo.dense(x)
