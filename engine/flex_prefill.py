@@ -28,9 +28,9 @@ rows, key columns) of the score micro-GEMM (Q K^T) in the generated FlexAttentio
 inductor's CPU template fixes at 1 x 16 (``CppFlexAttentionTemplate.micro_gemm_define``, torch
 2.13), a single accumulator per 16 scores. `qk_register_block` applies it to a build; measured
 against 1 x 16: docs/PERFORMANCE.md, "The score micro-kernel of prefill attention". None for
-256-bit code (AVX2): 4 x 16 there computed wrong attention on a real AVX2 CPU (a 200-token
-chunk after 16 cached tokens, off by 3.4; `tests/unit/test_bench_prefill_attention.py`), though
-right as 256-bit code on an AVX-512 one; docs/PERFORMANCE.md, "An AVX2-only EPYC"."""
+256-bit code (AVX2): 4 x 16 there computed wrong attention on a real AVX2 CPU, though right as
+256-bit code on an AVX-512 one (`tests/unit/test_flex_prefill.py` checks the failing chunk;
+docs/PERFORMANCE.md, "An AVX2-only EPYC")."""
 
 log = logging.getLogger(__name__)
 

@@ -180,8 +180,8 @@ class RowInt8MatMul:
     onnxruntime's ``MatMulInteger`` (ONNX operator; uint8 ``A`` and ``B``, each with zero point
     128; its ``A`` zero point can only be one scalar, so rows are scaled symmetrically). ``B`` is
     uint8, not int8: MLAS's uint8 x int8 kernel on an AVX2 CPU without VNNI multiplies with
-    ``vpmaddubsw``, whose int16 pair sums saturate (8% off on random data, measured), where its
-    uint8 x uint8 kernel widens to int16 first and is exact.
+    ``vpmaddubsw``, whose int16 pair sums saturate (docs/PERFORMANCE.md, "An AVX2-only EPYC"),
+    where its uint8 x uint8 kernel widens to int16 first and is exact.
     A row's result depends on that row alone (no batch-wide scale). Measured, not used by the
     engine (module docstring).
 

@@ -212,14 +212,13 @@ class Int4Linear:
         self.max_int4_rows = max_int4_rows
         self.kernel = kernels[0]
         self._packed = self._scale_zero = self._nbits = None
+        zero = weight.minimum + 8.0 * weight.scale   # [out, in / 32]: w = scale (q - 8) + zero; 0 for Q4_0
         if "int4" in kernels:
             # innerKTiles is unused by the CPU packing (kept for the CUDA op's signature)
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-            zero = weight.minimum + 8.0 * weight.scale
             # [in_features // 32, out_features, 2]
             self._scale_zero = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
         if "nbits" in kernels:
-            zero = weight.minimum + 8.0 * weight.scale   # [out, in / 32]: 0 for Q4_0
             self._nbits = NBitsMatMul(weight.codes, weight.scale, bits=4,
                                       offset=zero.numpy() if bool(zero.any()) else None)
         self._dense_dtype = dense_dtype()
@@ -233,8 +232,7 @@ class Int4Linear:
         """Use ``kernel`` (one of those built) for few rows from now on, and free the other.
         Raises:
             ValueError: ``kernel`` was not built."""
-        if (kernel == "int4" and self._packed is None) or (kernel == "nbits" and self._nbits is None) \
-                or kernel not in LOW_BIT_KERNELS:
+        if {"int4": self._packed, "nbits": self._nbits}.get(kernel) is None:
             raise ValueError(f"low-bit kernel {kernel!r} was not built")
         self.kernel = kernel
         if kernel == "int4":
