@@ -1,7 +1,7 @@
 """``python -m bench.kvtransfer [--quick] [--json PATH]``: kvtransfer engines vs ceilings and peers.
 
-Every measurement moves the same bytes from a writer (this process) into a receiver (a spawned
-process) on loopback:
+Every measurement moves the same bytes from a writer (this process) into a receiver (a child of
+the forkserver) on loopback:
 
 - ``tcp`` / ``shm``: this package's engines; one iteration posts the shape's writes (KV shapes
   layer by layer, as prefill does) and waits for every local completion, which implies the
@@ -167,8 +167,13 @@ def _receiver(conn, kind: str, nbytes: int, streams: int, verbs_device: str = ""
 
 
 class ReceiverProcess:
+    """A receiver (``_receiver``) in a child of multiprocessing's forkserver, which imports torch
+    and kvtransfer once (`main` asks for that preload): each method's receiver then starts without
+    a fresh interpreter's imports. The child opens its own engine (sockets, shared memory, verbs
+    context) after the fork. ``stop()`` ends it (killed after 30 s)."""
+
     def __init__(self, kind: str, nbytes: int, streams: int = 4, verbs_device: str = "") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_receiver, args=(child, kind, nbytes, streams, verbs_device), daemon=True)
         self.proc.start()
@@ -289,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                              "drift of the machine during the run hits every method alike")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
+    mp.set_forkserver_preload(["torch", "kvtransfer"])   # no effect where the forkserver already runs
     rounds = args.rounds or (1 if args.quick else 3)
     pool_bytes = (args.pool_mib << 20) if args.pool_mib else (448 << 20) if args.quick else (1 << 30)
     kv_iters, bulk_iters = (5, 2) if args.quick else (10, 3)

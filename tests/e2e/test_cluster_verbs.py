@@ -5,27 +5,35 @@ engine does; a prompt that extends an earlier one is written over verbs only pas
 decode worker's prefix cache holds (delta transfer, ``--prefix-caching``); then kill -9 of the
 prefill worker mid-transfer frees the decode worker's blocks only
 once the writer is reported lost, which the verbs engine does only after destroying that writer's
-QPs (test_verbs_engine.py checks that ordering). One cluster serves both tests, in this order:
-under the lab's emulated CPU a cluster takes minutes to start."""
+QPs (test_verbs_engine.py checks that ordering). One cluster serves the three tests, in this
+order: under the lab's emulated CPU each process start costs about a minute (importing torch).
+
+The cluster serves the lab's small checkpoint (`tests.lab_checkpoint`: a Llama with grouped-query
+attention and a byte-level tokenizer, loaded as a Hugging Face directory) rather than SmolLM2,
+whose loading and decode steps cost minutes there; the reference is the single-process engine on
+the same checkpoint. SmolLM2's cluster runs the same path over tcp and shm on the host
+(test_serving.py, test_delta_transfer.py)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from deploy.launcher import Cluster, LauncherConfig
 from tests.e2e.conftest import openai_client
+from tests.lab_checkpoint import write_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.rdma, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "lab-llama"   # the checkpoint directory's name, which the router serves it as
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-MAX_TOKENS = 4   # each decode step takes seconds under the lab's emulated CPU
+MAX_TOKENS = 8
 STARTUP_S = 900   # three torch processes start under CPU emulation in the lab
-BLOCK_SIZE = 4    # small blocks: a short prompt fills several (each prompt token costs time in the lab)
+BLOCK_SIZE = 4    # small blocks: a short prompt fills several
 
 
 class _Url:
@@ -33,12 +41,11 @@ class _Url:
         self.url = url
 
 
-def _assert_greedy(url: str, reference, tokenizer) -> None:
+def _assert_greedy(url: str, reference) -> None:
     client = openai_client(_Url(url))
     for prompt in PROMPTS:
-        want = reference(tokenizer.encode(prompt), MAX_TOKENS)
         got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        assert got.choices[0].text == want.text, prompt
+        assert got.choices[0].text == reference(prompt), prompt
 
 
 def _decode_counters(url: str) -> dict:
@@ -59,9 +66,34 @@ def _decode_counters(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def verbs_cluster(tmp_path_factory):
+def lab_model(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("lab-model") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(lab_model):
+    """``reference(prompt) -> str``: the single-process engine's greedy text (``MAX_TOKENS``) on
+    the lab checkpoint (float32, the cluster's block size); ``reference.tokenizer`` its tokenizer."""
+    from engine.config import CacheConfig
+    from engine.loader import build_generator, load_model
+    from engine.sampling import SamplingParams
+
+    loaded = load_model(str(lab_model), weights="fp32")
+    gen = build_generator(loaded, CacheConfig(num_blocks=1024, block_size=BLOCK_SIZE))
+
+    def run(prompt: str) -> str:
+        ids = loaded.tokenizer.encode(prompt)
+        return gen.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].text
+
+    run.tokenizer = loaded.tokenizer
+    return run
+
+
+@pytest.fixture(scope="module")
+def verbs_cluster(tmp_path_factory, lab_model):
     log_dir = tmp_path_factory.mktemp("verbs-cluster")
-    config = LauncherConfig(http_port=0, registry_port=0, weights="fp32", num_blocks=128, log_dir=str(log_dir),
+    config = LauncherConfig(http_port=0, registry_port=0, model=str(lab_model), weights="fp32", num_blocks=1024,
+                            log_dir=str(log_dir),
                             transfer_engine="verbs", startup_timeout_s=STARTUP_S, grace_s=20,
                             # one attempt: a retry after the kill would reserve blocks that the dead
                             # prefill never wrote, which stay quarantined by design (no writer known)
@@ -77,29 +109,28 @@ def verbs_cluster(tmp_path_factory):
     cluster.stop()
 
 
-def test_pdserve_up_over_verbs_answers_like_the_single_process_engine(verbs_cluster, reference, tokenizer):
+def test_pdserve_up_over_verbs_answers_like_the_single_process_engine(verbs_cluster, reference):
     url = verbs_cluster.url
     workers = httpx.get(f"{url}/admin/workers", timeout=30).json()
     assert {(w["role"], w["transfer_engine"], w["state"]) for w in workers} == {
         ("prefill", "verbs", "CONNECTED"), ("decode", "verbs", "CONNECTED")}
-    _assert_greedy(url, reference, tokenizer)
+    _assert_greedy(url, reference)
     counters = _decode_counters(url)
     assert counters["kv_writes_received"] > 0 and counters["free"] == counters["total"]
     assert "verbs engine on rxe" in (verbs_cluster.log_dir / "decode-0.log").read_text()
 
 
-def test_a_longer_prompt_is_written_only_past_the_blocks_the_decode_worker_holds(verbs_cluster, reference,
-                                                                                tokenizer):
+def test_a_longer_prompt_is_written_only_past_the_blocks_the_decode_worker_holds(verbs_cluster, reference):
     url = verbs_cluster.url
     client = openai_client(_Url(url))
-    base = "Soft-RoCE runs the RDMA transport over an ordinary Ethernet device."   # 15 tokens
-    ids = tokenizer.encode(base)
+    base = "Soft-RoCE runs the RDMA transport over an ordinary Ethernet device."   # 69 tokens (bytes)
+    ids = reference.tokenizer.encode(base)
     first = client.completions.create(model=MODEL, prompt=base, max_tokens=MAX_TOKENS, temperature=0)
-    assert first.choices[0].text == reference(ids, MAX_TOKENS).text
+    assert first.choices[0].text == reference(base)
     before = _decode_counters(url)
     longer = base + first.choices[0].text + " Why does that matter?"
     second = client.completions.create(model=MODEL, prompt=longer, max_tokens=MAX_TOKENS, temperature=0)
-    assert second.choices[0].text == reference(tokenizer.encode(longer), MAX_TOKENS).text
+    assert second.choices[0].text == reference(longer)
     after = _decode_counters(url)
     held = after["blocks_held_at_reserve"] - before["blocks_held_at_reserve"]
     assert held >= (len(ids) - 1) // BLOCK_SIZE >= 3                          # not sent again
@@ -113,7 +144,7 @@ def test_kill9_prefill_mid_transfer_frees_decode_blocks_only_after_its_qps_are_g
     before the 240 s quarantine, and no write lands after that."""
     cluster = verbs_cluster
     before = _decode_counters(cluster.url)
-    prompt = " ".join(["The history of the city and its people is long."] * 30)   # ~300 tokens
+    prompt = " ".join(["The history of the city and its people is long."] * 30)   # 1469 tokens (bytes)
     result: dict = {}
 
     def ask() -> None:

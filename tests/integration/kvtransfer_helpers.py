@@ -167,14 +167,16 @@ def _writer_main(conn: Any, engine_name: str, blob: bytes, num_blocks: int, plan
 def spawn_writer(engine_name: str, blob: bytes, num_blocks: int, plan_args: tuple | None,
                  overrides: dict | None = None, start_method: str = "spawn",
                  device: str = "cpu") -> tuple[Any, Any, str]:
-    """Start a looping writer; returns (process, pipe, its endpoint id)."""
+    """Start a looping writer; returns (process, pipe, its endpoint id). Waits up to 300 s for
+    it to describe itself: a process that imports torch takes a minute or more under the RDMA
+    lab's emulated CPU (a forkserver with torch preloaded forks it in a second)."""
     ctx = mp.get_context(start_method)
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_writer_main,
                        args=(child, engine_name, blob, num_blocks, plan_args, overrides, device),
                        name="kv-writer", daemon=True)
     proc.start()
-    if not parent.poll(60):
+    if not parent.poll(300):
         proc.kill()
-        raise RuntimeError("writer did not start")
+        raise RuntimeError("writer did not start within 300 s")
     return proc, parent, parent.recv()
