@@ -28,18 +28,12 @@ EOS = "<|endoftext|>"
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 6, 4, 2, 32, 128
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-to-unicode table (openai/gpt-2 ``encoder.py``, ``bytes_to_unicode``), which
-    the ``tokenizers`` ByteLevel pre-tokenizer applies: entry ``b`` is byte ``b``'s character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-
-
 def _tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in enumerate(_byte_chars())}
+    from engine.tokenizer import _byte_level_alphabet   # GPT-2's bytes_to_unicode, as the engine decodes it
+
+    vocab = _byte_level_alphabet()   # character -> byte: each byte's id is its value
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
