@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest_plugins = ["tests.tier_times"]   # each tier's time in the terminal summary
+# tier_times: each tier's time in the terminal summary; lab_runner: rdma-marked tests run inside
+# the Soft-RoCE lab (beside the host's tests) on hosts without an RDMA device.
+pytest_plugins = ["tests.tier_times", "tests.lab_runner"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,8 +35,3 @@ def hf_model():
         str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model
-
-
-# rdma-marked tests run inside the Soft-RoCE lab on hosts without an RDMA device.
-from tests.lab_runner import (pytest_collection_modifyitems, pytest_runtest_logreport,  # noqa: E402,F401
-                              pytest_terminal_summary)

@@ -1,14 +1,19 @@
 """``pytest -m rdma`` on a real RDMA stack wherever pytest runs.
 
 On a host with an RDMA device, or inside the lab's guest, rdma-marked tests run as they are. On
-any other host each selected rdma test is replaced by a proxy item; the first proxy to run
-boots the lab once (:mod:`rdmalab`) and runs every selected rdma test inside it in one pytest
-session, which writes one JSON line per test phase to the shared outbox; each proxy then
-reports its own test's outcome, failure text and skip reason from there. A lab that cannot boot
-makes every proxy call ``tests.require.unavailable("rdma-lab", reason)``: a skip on a laptop, a
-failure where ``PDSERVE_REQUIRE`` lists ``rdma-lab`` (CI).
+any other host each selected rdma test is replaced by a proxy item, and the proxies move to the
+end of the run. When the run starts, a thread named ``rdma-lab`` boots the lab once
+(:mod:`rdmalab`) and runs every selected rdma test inside it in one pytest session, in the
+background while the host's own tests run (the guest's emulated CPU and the host's tests share
+the machine's cores; ``PDSERVE_LAB_BACKGROUND=0`` runs the lab only when the first proxy runs,
+as the only work). The guest's pytest writes one JSON line per test phase to the shared outbox;
+each proxy waits for the lab, then reports its own test's outcome, failure text and skip reason
+from there. A lab that cannot boot makes every proxy call
+``tests.require.unavailable("rdma-lab", reason)``: a skip on a laptop, a failure where
+``PDSERVE_REQUIRE`` lists ``rdma-lab`` (CI). The session's end stops a lab still running (the
+guest is killed) and joins the thread.
 
-Hooks are re-exported by ``tests/conftest.py``.
+A plugin of ``tests/conftest.py`` (``pytest_plugins``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,20 +40,65 @@ def _device_here() -> bool:
 
 
 class LabRun:
-    """One lab boot running ``nodeids``; results by node id once :meth:`result` first ran it."""
+    """One lab boot running ``nodeids``, on a thread named ``rdma-lab``.
 
-    def __init__(self, nodeids: list[str], rootdir: Path) -> None:
+    ``start()`` begins it in the background; ``result(nodeid)`` waits for it (starting it first if
+    nothing did) and returns that test's folded outcome, or None (``error`` then says why, or the
+    guest never reported that test). ``stop()`` kills a guest still running and joins the thread.
+    ``config`` (an ``rdmalab.config.LabConfig``) defaults to ``LabConfig.from_env()``; ``outbox``
+    to its cache directory's ``outbox``, emptied before the guest starts. The guest's pytest
+    output goes to ``last-pytest.log`` beside the outbox.
+    """
+
+    def __init__(self, nodeids: list[str], rootdir: Path, config=None, outbox: Path | None = None) -> None:
         self.nodeids = nodeids
         self.rootdir = rootdir
+        self.config = config
+        self.outbox = outbox
         self.results: dict[str, dict] | None = None
         self.error: str | None = None
         self.summary = ""
         self.log_path: Path | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._guest = None        # the running rdmalab.guest.Guest, for stop()
+        self._stopped = False
+
+    def start(self) -> None:
+        """Boot the lab and run the tests on the ``rdma-lab`` thread (no-op once started)."""
+        with self._lock:
+            if self._thread is not None or self._stopped:
+                return
+            self._thread = threading.Thread(target=self._guarded_run, name="rdma-lab", daemon=True)
+            self._thread.start()
 
     def result(self, nodeid: str) -> dict | None:
+        self.start()
+        assert self._thread is not None or self._stopped
+        if self._thread is not None:
+            self._thread.join()
         if self.results is None and self.error is None:
-            self._run()
+            self.error = "the RDMA lab was stopped before it finished"
         return None if self.results is None else self.results.get(nodeid)
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Kill the guest if it still runs and join the thread; later ``result`` calls see an error."""
+        with self._lock:
+            self._stopped = True
+            guest = self._guest
+        if guest is not None:
+            guest.close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _guarded_run(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:   # noqa: BLE001 - every proxy reports it, none hangs
+            self.error = f"the RDMA lab's runner failed: {exc!r}"
 
     def _run(self) -> None:
         from rdmalab.assets import prepare
@@ -55,9 +106,9 @@ class LabRun:
         from rdmalab.errors import LabError, LabUnavailable
         from rdmalab.guest import Guest
 
-        config = LabConfig.from_env()
-        outbox = config.cache_dir / "outbox"
-        self.log_path = config.cache_dir / "last-pytest.log"
+        config = self.config or LabConfig.from_env()
+        outbox = self.outbox or config.cache_dir / "outbox"
+        self.log_path = outbox.parent / "last-pytest.log"
         try:
             assets = prepare(config)
         except LabUnavailable as exc:
@@ -71,14 +122,21 @@ class LabRun:
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         started = time.monotonic()
         with open(self.log_path, "w") as log:   # the guest's pytest output, as it arrives
+            guest = Guest(config, assets, argv, env=env, outbox=outbox,
+                          echo=lambda line: (log.write(line), log.flush()))
+            with self._lock:   # stop() either sees this guest started or finds _stopped set here
+                if self._stopped:
+                    self.error = "the RDMA lab was stopped before it booted"
+                    return
+                self._guest = guest.start()
             try:
-                with Guest(config, assets, argv, env=env, outbox=outbox,
-                           echo=lambda line: (log.write(line), log.flush())) as guest:
-                    result = guest.wait(run_timeout_s())
+                result = guest.wait(run_timeout_s())
             except LabError as exc:
                 output = getattr(exc, "output", "")
                 self.error = f"the RDMA lab failed: {exc}; log {self.log_path}\n{output[-3000:]}"
                 return
+            finally:
+                guest.close()
         self.summary = (f"rdma lab: guest ready after {result.boot_s:.1f}s, {len(self.nodeids)} tests, "
                         f"{time.monotonic() - started:.0f}s in all, pytest exit {result.returncode}; "
                         f"log {self.log_path}")
@@ -150,7 +208,29 @@ def pytest_collection_modifyitems(session, config, items):
         proxy.keywords.update({mark.name: mark for mark in item.iter_markers()})
         proxy.add_marker(pytest.mark.timeout(run_timeout_s() + 120))
         proxies[item.nodeid] = proxy
-    items[:] = [proxies.get(item.nodeid, item) for item in items]
+    # the host's tests first: the lab runs beside them and the proxies collect its results last
+    items[:] = [item for item in items if item.nodeid not in proxies] + [proxies[item.nodeid] for item in rdma]
+
+
+def background() -> bool:
+    """Whether the lab runs beside the host's tests (``PDSERVE_LAB_BACKGROUND``, default 1)."""
+    value = os.environ.get("PDSERVE_LAB_BACKGROUND", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_LAB_BACKGROUND must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    lab = session.config.stash.get(_LAB, None)
+    if lab is not None and not session.config.option.collectonly and background():
+        lab.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    lab = session.config.stash.get(_LAB, None)
+    if lab is not None:
+        lab.stop()
 
 
 _LAB = pytest.StashKey[LabRun]()

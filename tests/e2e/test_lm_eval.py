@@ -63,23 +63,35 @@ def cluster(request, shared_clusters):
     return shared_clusters.get(request.param)
 
 
-def _lm_eval(tmp: Path, name: str, model: str, model_args: str) -> tuple[dict, dict, dict]:
-    """(results by task, loglikelihoods by (doc, choice), generations by doc) of one ``lm_eval``
-    run."""
+def _start_lm_eval(tmp: Path, name: str, model: str, model_args: str) -> tuple[subprocess.Popen, Path]:
+    """Start one ``lm_eval`` run (its output under ``tmp / name``); :func:`_lm_eval_results` reads it."""
     tasks = tmp / "tasks"
     tasks.mkdir(exist_ok=True)
     for task, yaml in TASKS.items():
         (tasks / f"{task}.yaml").write_text(yaml)
     out = tmp / name
+    out.mkdir()
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(tmp / "datasets-cache"), "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(tmp / f"datasets-cache-{name}"), "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
-         "--tasks", ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "1",
-         "--output_path", str(out), "--log_samples", "--seed", "1234", "--device", "cpu"],
-        env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(out / "lm_eval.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
+             "--tasks", ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "1",
+             "--output_path", str(out), "--log_samples", "--seed", "1234", "--device", "cpu"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def _lm_eval_results(proc: subprocess.Popen, out: Path) -> tuple[dict, dict, dict]:
+    """(results by task, loglikelihoods by (doc, choice), generations by doc) of one ``lm_eval``
+    run, once it exits (killed after 1500 s)."""
+    try:
+        proc.wait(1500)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, (out / "lm_eval.log").read_text()[-9000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     lls, texts = {}, {}
     for f in out.rglob("samples_pdserve_choices_*.jsonl"):
@@ -98,11 +110,18 @@ def test_scores_equal_transformers(cluster, tmp_path):
     from engine.modelfile import default_model_path
 
     gguf = default_model_path()
-    ours, our_lls, our_texts = _lm_eval(tmp_path, "pdserve", "local-completions",
-                             f"base_url={cluster.url}/v1/completions,model={MODEL},num_concurrent=1,"
-                             "max_retries=1,tokenized_requests=True,tokenizer_backend=remote")
-    theirs, their_lls, their_texts = _lm_eval(tmp_path, "hf", "hf",
-                                 f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32")
+    # both runs at once: the router's client mostly waits on the cluster, transformers computes
+    runs = [_start_lm_eval(tmp_path, "pdserve", "local-completions",
+                           f"base_url={cluster.url}/v1/completions,model={MODEL},num_concurrent=1,"
+                           "max_retries=1,tokenized_requests=True,tokenizer_backend=remote"),
+            _start_lm_eval(tmp_path, "hf", "hf", f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32")]
+    try:
+        ours, our_lls, our_texts = _lm_eval_results(*runs[0])
+        theirs, their_lls, their_texts = _lm_eval_results(*runs[1])
+    finally:
+        for proc, _ in runs:
+            proc.kill()
+            proc.wait()
     print("\nlm-eval pdserve:", {t: r for t, r in ours.items()})
     print("lm-eval transformers:", {t: r for t, r in theirs.items()})
     assert ours["pdserve_choices"]["acc,none"] == theirs["pdserve_choices"]["acc,none"]

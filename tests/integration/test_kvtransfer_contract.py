@@ -204,7 +204,8 @@ def test_smallest_receive_capacity_does_not_hang(setup):
     within its deadline, OK or with a typed error, and a transfer after it works."""
     extra = {"verbs": {"srq_depth": 16, "cq_depth": 128}} if SETUPS[setup][0] == "verbs" else {
         "socket_buffer_bytes": 4096}
-    rx = Receiver(SETUPS[setup][0], 8, overrides=_overrides(setup, 0, **extra), start_method=START,
+    # 16 blocks: at least the 2 MiB written below, with the lab's 6-layer pools too
+    rx = Receiver(SETUPS[setup][0], 16, overrides=_overrides(setup, 0, **extra), start_method=START,
                   device=_device(setup))
     engine = create_engine(SETUPS[setup][0], engine_config(**_overrides(setup, 1)))
     try:
