@@ -21,10 +21,10 @@ families (qwen2, qwen3, qwen3moe, phi3) are written as Hugging Face stores them.
 model does not use (``rope_factors_long``: Phi-3 LongRoPE; anything else) is refused; Llama 3's
 ``rope_freqs`` is read into the config's llama3 scaling (`engine.models.gguf_config`).
 
-Quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, ...) are dequantized with the ``gguf``
-package (`gguf.quants.dequantize`), except with ``native=True``: then attention and dense MLP
-projections stored as Q4_0 / Q4_1 / Q4_K stay 4-bit (`engine.quant.Int4Weight`, run by the int4
-kernel); experts, norms, embeddings and other types are dequantized.
+Quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, ...) are dequantized to float32
+(`dequantize`), except with ``native=True``: then attention and dense MLP projections stored as
+Q4_0 / Q4_1 / Q4_K stay 4-bit (`engine.quant.Int4Weight`, run by the int4 kernel); experts,
+norms, embeddings and other types are dequantized.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from engine.errors import ModelLoadError
 from engine.modelfile import gguf_reader
 from engine.models.gguf_config import GGUFFamily, family_of, model_config_from_gguf
 from engine.models.moe import ExpertWeights
-from engine.quant import NATIVE_TYPES, Int4Weight
+from engine.quant import NATIVE_TYPES, Int4Weight, QuantFormatError
 from engine.weights import LlamaWeights, check_shapes, fuse_layer, to_tensor
 
 Array = np.ndarray | Int4Weight
@@ -63,8 +63,7 @@ class _GGUFTensors:
     """A GGUF file's tensors by name, decoded when taken.
 
     ``take(name, native=True)`` keeps a Q4_0 / Q4_1 / Q4_K matrix 4-bit when the loader runs
-    natively; anything else is dequantized to float32 (`gguf.quants.dequantize`, shape as
-    numpy reads it: ``[..., rows, row_length]``).
+    natively; anything else is dequantized to float32 (`dequantize`, shape as numpy reads it: ``[..., rows, row_length]``).
 
     Raises:
         ModelLoadError: a missing tensor, one that cannot be decoded, or (`check_all_used`)
@@ -81,8 +80,6 @@ class _GGUFTensors:
         return name in self._tensors
 
     def take(self, name: str, native: bool = False) -> Array:
-        import gguf
-
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"{self._path}: missing tensor {name}")
@@ -93,7 +90,7 @@ class _GGUFTensors:
                 k = int(tensor.shape[0])   # ggml's ne[0]: the row length (in_features)
                 self.int4 += 1
                 return Int4Weight.from_gguf(tensor.data, kind, (int(tensor.n_elements) // k, k))
-            return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            return dequantize(tensor.data, kind)
         except Exception as exc:
             raise ModelLoadError(f"{self._path}: cannot load {name} ({kind}): {exc}") from exc
 
@@ -103,6 +100,45 @@ class _GGUFTensors:
         if left:
             shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
             raise ModelLoadError(f"{self._path}: {len(left)} tensors the model does not use: {shown}")
+
+
+# ggml's blocks of 32 weights that torch decodes: type -> bytes per block (ggml-common.h)
+_TORCH_BLOCKS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def dequantize(data: np.ndarray, kind: str) -> np.ndarray:
+    """A GGUF tensor's raw bytes ``data`` (``gguf.ReaderTensor.data``: ``[..., rows,
+    bytes_per_row]`` uint8 for a quantized type, else the values) of GGUF type ``kind`` ->
+    float32 ``[..., rows, row_length]``.
+
+    Q8_0, Q4_0 and Q4_1 (ggml-common.h ``block_q8_0`` ``{d, qs[32]}``, ``block_q4_0`` ``{d,
+    qs[16]}``, ``block_q4_1`` ``{d, m, qs[16]}``; float16 ``d`` and ``m``, low nibbles the first
+    16 weights) are decoded by torch on whole tensors: ``d * q``, ``d * (q - 8)``, ``d * q + m``
+    in float32, the operations and order of gguf-py's ``dequantize_blocks``, so the values are
+    bit for bit the ones `gguf.quants.dequantize` gives (a unit test compares them); other types
+    go through `gguf.quants.dequantize`.
+
+    Raises: ValueError (from gguf) for a type it cannot decode; QuantFormatError for bytes that
+    are not whole blocks.
+    """
+    block_bytes = _TORCH_BLOCKS.get(kind)
+    if block_bytes is None:
+        import gguf
+        return np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
+    if data.dtype != np.uint8 or data.shape[-1] % block_bytes:
+        raise QuantFormatError(f"{kind} rows of {data.shape[-1]} {data.dtype} are not whole {block_bytes}-byte blocks")
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).view(-1, block_bytes)   # a copy: data is read-only
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    if kind == "Q8_0":
+        w = d * blocks[:, 2:].contiguous().view(torch.int8).float()
+    else:
+        qs = blocks[:, block_bytes - 16:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1)
+        if kind == "Q4_0":
+            w = d * (q.to(torch.int8) - 8).float()
+        else:
+            w = d * q.float() + blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return w.reshape(*data.shape[:-1], data.shape[-1] // block_bytes * 32).numpy()
 
 
 def _qkv(cfg: ModelConfig, fam: GGUFFamily, t: _GGUFTensors, p: str) -> dict:

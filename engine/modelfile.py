@@ -66,12 +66,21 @@ def _plain_view_reader() -> type:
     """``gguf.GGUFReader`` whose file map is held as a plain ``numpy.ndarray`` view of its
     ``numpy.memmap``: the same read-only, file-backed bytes, but slicing it builds no memmap
     subclass, whose ``__array_finalize__`` otherwise runs for each of the many small slices the
-    reader takes while it walks a vocabulary field by field. Tensors' ``data`` are then ndarray
+    reader takes while it walks a vocabulary field by field; and its ``_get``, called for each of
+    those slices, skips work that changes nothing (see there). Tensors' ``data`` are then ndarray
     views of the mapping, read-only as before. Raises what ``gguf.GGUFReader`` raises."""
     import gguf
     import numpy as np
 
     class PlainViewReader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            # gguf's own, less an empty array built per call for the item size, and less the
+            # byte-order view where the order is "I" (the file's is the machine's: no change)
+            dtype, count = np.dtype(dtype), int(count)
+            arr = self.data[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
         @property
         def data(self):
             return self._plain_data

@@ -171,6 +171,12 @@ class Guest:
         returncode = int(rc_file.read_text().strip())
         return LabResult(returncode, self.output(), self._boot_s or 0.0, wall_s)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the guest's init reports ready (True), or its console closes or
+        ``timeout_s`` passes first (False)."""
+        self._settled.wait(timeout_s)
+        return self._ready.is_set()
+
     def close(self) -> None:
         if self._closed:
             return

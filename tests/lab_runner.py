@@ -2,11 +2,11 @@
 
 On a host with an RDMA device, or inside the lab's guest, rdma-marked tests run as they are. On
 any other host each selected rdma test is replaced by a proxy item, and the proxies move to the
-end of the run. When the run starts, a thread named ``rdma-lab`` boots the lab once
-(:mod:`rdmalab`) and runs every selected rdma test inside it in one pytest session, in the
-background while the host's own tests run (the guest's emulated CPU and the host's tests share
-the machine's cores; ``PDSERVE_LAB_BACKGROUND=0`` runs the lab only when the first proxy runs,
-as the only work). The guest's pytest writes one JSON line per test phase to the shared outbox;
+end of the run. Before the first host test that is not marked ``e2e`` (whose clusters keep both
+cores busy; the other tiers mostly leave one idle), a thread named ``rdma-lab`` boots the lab
+once (:mod:`rdmalab`) and runs every selected rdma test inside it in one pytest session, in the
+background while the host's own tests go on (``PDSERVE_LAB_BACKGROUND=0``, or a selection with
+no such test: the lab starts when the first proxy runs, as the only work). The guest's pytest writes one JSON line per test phase to the shared outbox;
 each proxy waits for the lab, then reports its own test's outcome, failure text and skip reason
 from there. A lab that cannot boot makes every proxy call
 ``tests.require.unavailable("rdma-lab", reason)``: a skip on a laptop, a failure where
@@ -220,10 +220,11 @@ def background() -> bool:
     return value == "1"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtestloop(session):
-    lab = session.config.stash.get(_LAB, None)
-    if lab is not None and not session.config.option.collectonly and background():
+def pytest_runtest_setup(item):
+    """Start the lab in the background before the first host test that is not an e2e one: the
+    e2e tier's clusters keep both cores busy, the other tiers leave one mostly idle."""
+    lab = item.config.stash.get(_LAB, None)
+    if lab is not None and background() and item.get_closest_marker("e2e") is None:
         lab.start()
 
 

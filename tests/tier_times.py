@@ -3,7 +3,8 @@
 A test's tier is the folder under tests/ it lives in (unit, integration, e2e, faults); its time is
 the sum of its setup, call and teardown (fixtures shared by a module or the session count where
 they are set up), so the tiers add up to the run's test time. rdma-marked tests count in their
-folder's tier: the host's proxy report carries the lab's time.
+folder's tier with their host proxy's time: what the run waited for the lab at its end, which
+runs beside the host's tests (tests/lab_runner.py prints the lab's own time).
 """
 
 from __future__ import annotations

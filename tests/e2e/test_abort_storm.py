@@ -87,8 +87,9 @@ async def _storm(url: str, prompts: list[str], seed: int) -> list[dict]:
 
 
 def test_abort_storm_leaves_pools_full_and_outputs_correct(storm_cluster, tokenizer, reference):
-    prompts = ["Tell me about the ocean.", "word " * 300, "Explain photosynthesis step by step. " * 20,
-               "List ten animals.", "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 25]
+    # prompts of 6 to ~130 tokens: several blocks to transfer, and a prefill a cut can land in
+    prompts = ["Tell me about the ocean.", "word " * 120, "Explain photosynthesis step by step. " * 8,
+               "List ten animals.", "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 12]
     outcomes = asyncio.run(_storm(storm_cluster.url, prompts, seed=7))
     cut_early = sum(1 for o in outcomes if not o["finished"] and not o.get("chunks"))
     cut_mid = sum(1 for o in outcomes if not o["finished"] and o.get("chunks"))

@@ -17,13 +17,25 @@ TEXTS = ["12345 678", "I'M HERE, you're", "a\n\n\nb\r\n", "  spaces   ", "emoji 
          "def f(x):\n\tif x:\n\t\treturn 'ok'  # done\n"]
 
 
+VOCAB_SIZE = 4096   # SmolLM2's first tokens: its specials, the 256 bytes and its first merges
+
+
 @pytest.fixture(scope="module")
 def smollm_vocab():
+    """SmolLM2's byte-level vocabulary cut to its first ``VOCAB_SIZE`` tokens and the merges
+    among them (its ids follow merge rank): every text still tokenizes (byte fallback of the
+    byte-level alphabet), and each file here costs transformers' converter and gguf-py a tenth of
+    the full vocabulary's time."""
     from engine.modelfile import default_model_path, gguf_field, gguf_reader
 
     reader = gguf_reader(default_model_path())
-    return {key: gguf_field(reader, f"tokenizer.ggml.{key}")
-            for key in ("tokens", "token_type", "merges", "bos_token_id", "eos_token_id")}
+    vocab = {key: gguf_field(reader, f"tokenizer.ggml.{key}")
+             for key in ("tokens", "token_type", "merges", "bos_token_id", "eos_token_id")}
+    tokens = list(vocab["tokens"][:VOCAB_SIZE])
+    kept = set(tokens)
+    merges = [m for m in vocab["merges"] if all(p in kept for p in m.split(" ")) and m.replace(" ", "") in kept]
+    assert len(merges) > VOCAB_SIZE // 2 and vocab["eos_token_id"] < VOCAB_SIZE
+    return {**vocab, "tokens": tokens, "token_type": list(vocab["token_type"][:VOCAB_SIZE]), "merges": merges}
 
 
 def _write(path, arch, model, tokens, types, pre=None, merges=None, scores=None, bos=1, eos=2,
