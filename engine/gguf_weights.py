@@ -63,7 +63,8 @@ class _GGUFTensors:
     """A GGUF file's tensors by name, decoded when taken.
 
     ``take(name, native=True)`` keeps a Q4_0 / Q4_1 / Q4_K matrix 4-bit when the loader runs
-    natively; anything else is dequantized to float32 (`dequantize`, shape as numpy reads it: ``[..., rows, row_length]``).
+    natively; anything else is dequantized to float32 (`dequantize`, shape as numpy reads it:
+    ``[..., rows, row_length]``).
 
     Raises:
         ModelLoadError: a missing tensor, one that cannot be decoded, or (`check_all_used`)
@@ -118,16 +119,18 @@ def dequantize(data: np.ndarray, kind: str) -> np.ndarray:
     bit for bit the ones `gguf.quants.dequantize` gives (a unit test compares them); other types
     go through `gguf.quants.dequantize`.
 
-    Raises: ValueError (from gguf) for a type it cannot decode; QuantFormatError for bytes that
-    are not whole blocks.
+    Raises: NotImplementedError (gguf's) for a type gguf cannot decode, ValueError (gguf's) or
+    QuantFormatError for bytes that are not whole blocks.
     """
     block_bytes = _TORCH_BLOCKS.get(kind)
     if block_bytes is None:
         import gguf
         return np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
     if data.dtype != np.uint8 or data.shape[-1] % block_bytes:
-        raise QuantFormatError(f"{kind} rows of {data.shape[-1]} {data.dtype} are not whole {block_bytes}-byte blocks")
-    blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).view(-1, block_bytes)   # a copy: data is read-only
+        raise QuantFormatError(f"{kind} rows of {data.shape[-1]} {data.dtype} are not whole "
+                               f"{block_bytes}-byte blocks")
+    # a copy: the file's bytes are a read-only map, which torch.from_numpy would warn of
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).view(-1, block_bytes)
     d = blocks[:, :2].contiguous().view(torch.float16).float()
     if kind == "Q8_0":
         w = d * blocks[:, 2:].contiguous().view(torch.int8).float()

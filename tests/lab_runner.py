@@ -6,12 +6,12 @@ end of the run. Before the first host test that is not marked ``e2e`` (whose clu
 cores busy; the other tiers mostly leave one idle), a thread named ``rdma-lab`` boots the lab
 once (:mod:`rdmalab`) and runs every selected rdma test inside it in one pytest session, in the
 background while the host's own tests go on (``PDSERVE_LAB_BACKGROUND=0``, or a selection with
-no such test: the lab starts when the first proxy runs, as the only work). The guest's pytest writes one JSON line per test phase to the shared outbox;
-each proxy waits for the lab, then reports its own test's outcome, failure text and skip reason
-from there. A lab that cannot boot makes every proxy call
-``tests.require.unavailable("rdma-lab", reason)``: a skip on a laptop, a failure where
-``PDSERVE_REQUIRE`` lists ``rdma-lab`` (CI). The session's end stops a lab still running (the
-guest is killed) and joins the thread.
+no such test: the lab starts when the first proxy runs, as the only work). The guest's pytest
+writes one JSON line per test phase to the shared outbox; each proxy waits for the lab, then
+reports its own test's outcome, failure text and skip reason from there. A lab that cannot boot
+makes every proxy call ``tests.require.unavailable("rdma-lab", reason)``: a skip on a laptop, a
+failure where ``PDSERVE_REQUIRE`` lists ``rdma-lab`` (CI). The session's end stops a lab still
+running (the guest is killed) and joins the thread.
 
 A plugin of ``tests/conftest.py`` (``pytest_plugins``).
 """
