@@ -3,11 +3,13 @@
 attention dtype, the residual add with the RMSNorm after it, and the MLP's SiLU(gate) x up.
 Eagerly each is two to eight small operators, each a dispatch, an allocation and a pass over
 memory; fused, one generated loop. `engine.models.llama.LlamaModel` runs them on bfloat16
-activations (native and bf16 weights). Inductor computes a fused kernel in float32 and rounds to
-bfloat16 at its outputs only, where the eager operators round after each operator, and sums the
-RMSNorm's squares in its own order: outputs differ from the eager ones by at most one bfloat16
-step (a unit test bounds it), closer to float32 mode. Measured: docs/PERFORMANCE.md, "The
-operators between the matmuls, fused".
+activations (native and bf16 weights) and on the float32 activations of native weights where the
+CPU has no bfloat16 matmuls (AVX2); fp32 mode, the reference, keeps the eager operators.
+Inductor computes a fused kernel in float32 and rounds to bfloat16 at its outputs only, where the
+eager operators round after each operator, and sums the RMSNorm's squares in its own order:
+bfloat16 outputs differ from the eager ones by at most one bfloat16 step, float32 ones by a few
+float32 roundings (unit tests bound both), closer to float32 mode. Measured:
+docs/PERFORMANCE.md, "The operators between the matmuls, fused" and "An AVX2-only EPYC".
 """
 
 from __future__ import annotations
@@ -20,18 +22,21 @@ from engine.aot_kernel import AotPackage, package_for
 class _RopeSplit(torch.nn.Module):
     """`engine.models.llama._rotate` of a pass's Q and K heads (the "rotate half" convention,
     ``x * cos + cat(x2, x1) * signed_sin``, the same products and sum in the same order as its
-    ``roll``), split into Q cast to ``q_dtype`` and K; V stays a view of ``qkv``."""
+    ``roll``), split into Q cast to ``q_dtype``, K and V cast to ``kv_dtype``."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, q_dtype: torch.dtype):
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.q_dtype = heads, kv_heads, head_dim, q_dtype
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
 
     def forward(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
         t, d, half = qkv.shape[0], self.head_dim, self.head_dim // 2
         qk = qkv[:, :(self.heads + self.kv_heads) * d].view(t, self.heads + self.kv_heads, d)
         qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * signed_sin
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        return q.to(self.q_dtype), k.contiguous()
+        v = qkv[:, (self.heads + self.kv_heads) * d:].view(t, self.kv_heads, d)
+        return (q.to(self.q_dtype).contiguous(), k.to(self.kv_dtype).contiguous(),
+                v.to(self.kv_dtype).contiguous())
 
 
 class _AddNorm(torch.nn.Module):
@@ -61,9 +66,10 @@ class _SiluMul(torch.nn.Module):
 
 
 class CompiledGlue:
-    """The fused operators of a layer (module docstring), each one AOTInductor package for every
-    pass of at least `min_rows` tokens (rows dynamic), per torch thread count, dtypes, widths, head
-    shape and epsilon, loaded from the disk cache or built at its first call (`warm_up` makes the
+    """The fused operators of a layer (module docstring), each one AOTInductor package for passes
+    of two tokens and more (rows dynamic) and one for one-token passes (a decode step of one
+    sequence: ``torch.export`` specializes a dimension of size one, so that shape has its own
+    static package), per torch thread count, dtypes, widths, head shape and epsilon, loaded from the disk cache or built at its first call (`warm_up` makes the
     calls at start-up; `engine.aot_kernel.package_for`); ``packages`` holds them, by key. Inputs
     are contiguous, as the model's pass makes them.
 
@@ -72,9 +78,9 @@ class CompiledGlue:
     and leaves the eager operators in place.
     """
 
-    min_rows = 2
-    """Passes of fewer rows (a decode step of one sequence) keep the eager operators: the
-    packages export rows from two up (one would be specialized)."""
+    min_rows = 1
+    """Every pass goes through the packages (`worker.runtime` builds them for the thread counts
+    of passes of this many tokens and more)."""
 
     def __init__(self) -> None:
         self.packages: dict[tuple, AotPackage] = {}
@@ -84,25 +90,26 @@ class CompiledGlue:
         return rows >= self.min_rows
 
     def rope_split(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
-                   kv_heads: int, head_dim: int, q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_heads: int, head_dim: int, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``qkv`` ``[T, (heads + 2 * kv_heads) * head_dim]`` (the fused projection's output,
         Q heads, K heads, V heads), rotary tables ``cos``, ``signed_sin`` ``[T, 1, head_dim]`` of
         ``qkv``'s dtype (`engine.models.rope.RotaryEmbedding.cos_sin`, whole-head rotation) -> rotated Q
-        ``[T, heads, head_dim]`` in ``q_dtype`` and rotated K ``[T, kv_heads, head_dim]`` in
-        ``qkv``'s dtype, both contiguous."""
-        key = ("rope_split", qkv.dtype, qkv.shape[1], cos.dtype, heads, kv_heads, head_dim, q_dtype)
-        module = _RopeSplit(heads, kv_heads, head_dim, q_dtype)
-        package = package_for(self.packages, "glue_rope", key, [__file__],
-                              lambda: _export(module, (qkv, cos, signed_sin)))
-        q, k = package(qkv, cos, signed_sin)
-        return q, k
+        ``[T, heads, head_dim]`` in ``q_dtype``, rotated K and V ``[T, kv_heads, head_dim]`` in
+        ``kv_dtype`` (the KV pool's), all three contiguous."""
+        key = ("rope_split", _rows_kind(qkv), qkv.dtype, qkv.shape[1], cos.dtype, heads, kv_heads, head_dim,
+               q_dtype, kv_dtype)
+        package = package_for(self.packages, "glue_rope", key, [__file__], lambda: _export(
+            _RopeSplit(heads, kv_heads, head_dim, q_dtype, kv_dtype), (qkv, cos, signed_sin)))
+        q, k, v = package(qkv, cos, signed_sin)
+        return q, k, v
 
     def add_norm(self, h: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual ``h + out`` (both ``[T, hidden]``) and its RMSNorm with ``weight``
         ``[hidden]`` (float32 or ``h``'s dtype) and ``eps``: ``(h + out, norm)``, both in ``h``'s
         dtype."""
-        key = ("add_norm", h.dtype, h.shape[1], weight.dtype, eps)
+        key = ("add_norm", _rows_kind(h), h.dtype, h.shape[1], weight.dtype, eps)
         package = package_for(self.packages, "glue_add_norm", key, [__file__],
                               lambda: _export(_AddNorm(eps, weight.dtype), (h, out, weight)))
         h, x = package(h, out, weight)
@@ -111,29 +118,40 @@ class CompiledGlue:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[T, 2 * intermediate]`` (gate columns, then up) -> ``silu(gate) * up``
         ``[T, intermediate]`` in ``gate_up``'s dtype."""
-        key = ("silu_mul", gate_up.dtype, gate_up.shape[1])
+        key = ("silu_mul", _rows_kind(gate_up), gate_up.dtype, gate_up.shape[1])
         package = package_for(self.packages, "glue_silu_mul", key, [__file__],
                               lambda: _export(_SiluMul(), (gate_up,)))
         return package(gate_up)[0]
 
     def warm_up(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                dtype: torch.dtype, q_dtype: torch.dtype, weight_dtype: torch.dtype, eps: float) -> None:
-        """Load or build the three packages for these shapes on the current thread count before
-        the first pass, and run each once on random rows under ``torch.inference_mode``."""
+                dtype: torch.dtype, q_dtype: torch.dtype, kv_dtype: torch.dtype, weight_dtype: torch.dtype,
+                eps: float) -> None:
+        """Load or build the six packages for these shapes (three operators, one row and many) on
+        the current thread count before the first pass, and run each once on random rows under
+        ``torch.inference_mode``."""
         with torch.inference_mode():
-            t = 2 * self.min_rows
-            self.rope_split(torch.randn(t, (heads + 2 * kv_heads) * head_dim).to(dtype),
-                            *(torch.randn(t, 1, head_dim).to(dtype) for _ in range(2)), heads, kv_heads,
-                            head_dim, q_dtype)
-            self.add_norm(torch.randn(t, hidden).to(dtype), torch.randn(t, hidden).to(dtype),
-                          torch.ones(hidden, dtype=weight_dtype), eps)
-            self.silu_mul(torch.randn(t, 2 * intermediate).to(dtype))
+            for t in (1, 4):
+                self.rope_split(torch.randn(t, (heads + 2 * kv_heads) * head_dim).to(dtype),
+                                *(torch.randn(t, 1, head_dim).to(dtype) for _ in range(2)), heads, kv_heads,
+                                head_dim, q_dtype, kv_dtype)
+                self.add_norm(torch.randn(t, hidden).to(dtype), torch.randn(t, hidden).to(dtype),
+                              torch.ones(hidden, dtype=weight_dtype), eps)
+                self.silu_mul(torch.randn(t, 2 * intermediate).to(dtype))
+
+
+def _rows_kind(x: torch.Tensor) -> str:
+    """Which package a pass of ``x.shape[0]`` rows takes: "one" (static) or "many" (dynamic)."""
+    return "one" if x.shape[0] == 1 else "many"
 
 
 def _export(module: torch.nn.Module, example: tuple[torch.Tensor, ...]):
-    """``module`` exported on fresh contiguous operands shaped as ``example`` with 5 rows, the
-    rows of every operand that has them (all but a 1-D weight) dynamic from `min_rows` up."""
-    rows = torch.export.Dim("rows", min=CompiledGlue.min_rows)
-    args = tuple(torch.zeros(x.shape if x.dim() == 1 else (5, *x.shape[1:]), dtype=x.dtype) for x in example)
+    """``module`` exported on fresh contiguous operands shaped as ``example``: with one row
+    static, as ``example`` has one (`_rows_kind`); else with 5 rows, the rows of every operand
+    that has them (all but a 1-D weight) dynamic from two up."""
+    one = _rows_kind(example[0]) == "one"
+    args = tuple(torch.zeros(x.shape if x.dim() == 1 or one else (5, *x.shape[1:]), dtype=x.dtype) for x in example)
+    if one:
+        return torch.export.export(module, args)
+    rows = torch.export.Dim("rows", min=2)
     dynamic = tuple(None if x.dim() == 1 else {0: rows} for x in args)
     return torch.export.export(module, args, dynamic_shapes=dynamic)

@@ -156,7 +156,7 @@ class LlamaModel:
         (``--attention-backend compiled``, set by `worker.runtime`); None: SDPA."""
         self.glue = None
         """`engine.glue.CompiledGlue` for the rotary embedding, the residual add + RMSNorm and
-        SiLU x up of passes of two tokens and more (set by `worker.runtime` with the attention
+        SiLU x up of every pass (set by `worker.runtime` with the attention
         kernels; used where `glue_applies`); None: the eager operators."""
         self._glue_applies: bool | None = None
         if compiled:
@@ -164,14 +164,15 @@ class LlamaModel:
 
     def glue_applies(self) -> bool:
         """Whether `glue` (`engine.glue.CompiledGlue`) can take this model's operators between the
-        matmuls: low-precision activations (bfloat16) on the CPU, the KV cache in their dtype, one
-        rank, whole-head rotary, a SiLU-gated MLP, and no QKV bias, Q/K norm, post-norm or routed
-        experts (the layers of SmolLM2 and Llama, not Qwen2's, Qwen3's or Gemma's). float32 mode,
-        the reference, keeps the eager operators."""
+        matmuls: on the CPU, low-precision activations (bfloat16) or 4-bit weights (native mode,
+        float32 activations where the CPU has no bfloat16 matmuls, the KV cache then in bfloat16),
+        one rank, whole-head rotary, a SiLU-gated MLP, and no QKV bias, Q/K norm, post-norm or
+        routed experts (the layers of SmolLM2 and Llama, not Qwen2's, Qwen3's or Gemma's). fp32
+        mode, the reference, keeps the eager operators."""
         if self._glue_applies is None:   # the layers are built: decided once
             c = self.config
             self._glue_applies = (
-                self.device.type == "cpu" and self.dtype != torch.float32 and self.kv_dtype == self.dtype
+                self.device.type == "cpu" and (self.dtype != torch.float32 or self.quantized)
                 and self.tp.size == 1 and (c.rotary_dim or c.head_dim) == c.head_dim and c.hidden_act == "silu"
                 and all(e.bqkv is None and e.qk_norm is None for e in self._extras)
                 and all(a is None and f is None for a, f in self._post_norms)
@@ -245,9 +246,8 @@ class LlamaModel:
                 x = _rms_norm(h, (c.hidden_size,), attn_norm, c.rms_norm_eps)
             qkv = self._mm(lin.wqkv, x, compiled)
             if glue is not None:   # the rotation and Q's cast fused (engine.glue)
-                q, k = glue.rope_split(qkv, *tables[self._layer_rope[i]], c.num_heads, c.num_kv_heads,
-                                       c.head_dim, self.attn_dtype)
-                v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
+                q, k, v = glue.rope_split(qkv, *tables[self._layer_rope[i]], c.num_heads, c.num_kv_heads,
+                                          c.head_dim, self.attn_dtype, self.kv_dtype)
             else:
                 if extra.bqkv is not None:
                     qkv = qkv + extra.bqkv
@@ -328,7 +328,7 @@ class LlamaModel:
         if glue is not None:
             c = self._local
             glue.warm_up(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype,
-                         self.attn_dtype, self._norms[0][0].dtype, c.rms_norm_eps)
+                         self.attn_dtype, self.kv_dtype, self._norms[0][0].dtype, c.rms_norm_eps)
         if self.prefill_kernel is not None:
             c = self._local
             self.prefill_kernel.warm_up(c.num_heads, c.num_kv_heads, c.head_dim, self.attn_dtype, self.device,

@@ -1,6 +1,7 @@
 """`engine.glue.CompiledGlue`: the fused operators between a layer's matmuls against the eager
 operators they replace (`engine.models.llama`), on SmolLM2-135M's shapes (the packages a CPU
-worker of the default model loads, built once per machine)."""
+worker of the default model loads, built once per machine): bfloat16 activations, and the float32
+ones of native weights on a CPU without bfloat16 matmuls, each for one row and for many."""
 
 import pytest
 import torch
@@ -34,12 +35,13 @@ def test_rope_split_is_the_float32_rotation_rounded_once(glue, rows):
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM, generator=g).bfloat16()
     cos, sin = (torch.randn(rows, 1, DIM, generator=g).bfloat16() for _ in range(2))
     with torch.inference_mode():
-        q, k = glue.rope_split(qkv, cos, sin, HEADS, KV_HEADS, DIM, torch.float32)
+        q, k, v = glue.rope_split(qkv, cos, sin, HEADS, KV_HEADS, DIM, torch.float32, torch.bfloat16)
         x = qkv[:, :(HEADS + KV_HEADS) * DIM].view(rows, HEADS + KV_HEADS, DIM).float()
         want = x * cos.float() + torch.cat([x[..., DIM // 2:], x[..., :DIM // 2]], -1) * sin.float()
         eager = _rotate(qkv[:, :(HEADS + KV_HEADS) * DIM].view(rows, HEADS + KV_HEADS, DIM), cos, sin)
     assert q.dtype == torch.float32 and q.shape == (rows, HEADS, DIM) and q.is_contiguous()
     assert k.dtype == torch.bfloat16 and k.shape == (rows, KV_HEADS, DIM) and k.is_contiguous()
+    assert torch.equal(v, qkv[:, (HEADS + KV_HEADS) * DIM:].view(rows, KV_HEADS, DIM)) and v.is_contiguous()
     assert torch.equal(k, want[:, HEADS:].bfloat16())
     assert torch.equal(q.bfloat16(), want[:, :HEADS].bfloat16())
     assert torch.allclose(q, want[:, :HEADS], rtol=2e-7, atol=1e-6)
@@ -80,10 +82,53 @@ def test_silu_mul_is_the_gated_activation(glue, rows):
     assert _bf16_steps(got, torch.nn.functional.silu(gate) * up) <= 1
 
 
-def test_one_package_per_operator_serves_every_row_count(glue):
-    """Rows are dynamic: after the calls above (2 to 300 rows, two weight dtypes), one package per
-    operator and weight dtype; a pass of one row is left to the eager operators."""
+@pytest.mark.parametrize("rows", [1, 2, 300])
+def test_float32_operators_are_the_eager_ones_to_a_few_roundings(glue, rows):
+    """Native weights' float32 activations (a CPU without bfloat16 matmuls; its KV pool in
+    bfloat16), one row (its own static package) and many: Q's rotation and the gated activation
+    equal eager's to float32 rounding, K and V as eager casts them for the pool, the residual add exactly, its RMSNorm (``F.rms_norm`` eagerly) to a few roundings of
+    its sum of squares."""
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM, generator=g)
+    cos, sin = torch.randn(rows, 1, DIM, generator=g), torch.randn(rows, 1, DIM, generator=g)
+    h, out = torch.randn(rows, HIDDEN, generator=g) * 2, torch.randn(rows, HIDDEN, generator=g)
+    h[:, 7] *= 40
+    h[0], out[0] = h[0] * 1e-3, out[0] * 1e-3   # a row whose mean square is near eps: eps counts
+    weight = torch.rand(HIDDEN, generator=g) + 0.5
+    gate_up = torch.randn(rows, 2 * INTER, generator=g) * 3
     with torch.inference_mode():
-        glue.warm_up(HIDDEN, INTER, HEADS, KV_HEADS, DIM, torch.bfloat16, torch.float32, torch.float32, EPS)
-    assert sorted(key[1] for key in glue.packages) == ["add_norm", "add_norm", "rope_split", "silu_mul"]
-    assert not glue.takes(1) and glue.takes(2)
+        q, k, v = glue.rope_split(qkv, cos, sin, HEADS, KV_HEADS, DIM, torch.float32, torch.bfloat16)
+        h2, x = glue.add_norm(h, out, weight, EPS)
+        act = glue.silu_mul(gate_up)
+        rotated = _rotate(qkv[:, :(HEADS + KV_HEADS) * DIM].view(rows, HEADS + KV_HEADS, DIM), cos, sin)
+        gate, up = gate_up.chunk(2, dim=-1)
+        want_act = torch.nn.functional.silu(gate) * up
+        want_x = _rms_norm(h + out, (HIDDEN,), weight, EPS)
+    assert q.shape == (rows, HEADS, DIM) and k.shape == v.shape == (rows, KV_HEADS, DIM)
+    assert q.dtype == x.dtype == act.dtype == torch.float32 and k.dtype == v.dtype == torch.bfloat16
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    torch.testing.assert_close(q, rotated[:, :HEADS], rtol=1e-6, atol=1e-6)
+    # K and V as the eager pass stores them in the bfloat16 pool: rounded once from float32
+    assert _bf16_steps(k, rotated[:, HEADS:].bfloat16()) <= 1
+    assert torch.equal(v, qkv[:, (HEADS + KV_HEADS) * DIM:].view(rows, KV_HEADS, DIM).bfloat16())
+    assert torch.equal(h2, h + out)
+    torch.testing.assert_close(x, want_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(act, want_act, rtol=1e-6, atol=1e-6)
+    kind = "one" if rows == 1 else "many"   # (threads, operator, rows kind, dtype, ...)
+    assert {key[1] for key in glue.packages if key[2:4] == (kind, torch.float32)} == {
+        "rope_split", "add_norm", "silu_mul"}
+
+
+def test_one_package_per_operator_and_rows_kind_serves_every_row_count(glue):
+    """Rows are dynamic from two up, and one row has a package of its own: after the calls above
+    (1 to 300 rows; bfloat16 with two weight dtypes, float32), one package per operator, rows kind
+    and dtypes, and warming up for float32 activations finds them all."""
+    before = set(glue.packages)
+    with torch.inference_mode():
+        glue.warm_up(HIDDEN, INTER, HEADS, KV_HEADS, DIM, torch.float32, torch.float32, torch.bfloat16,
+                     torch.float32, EPS)
+    assert set(glue.packages) == before
+    bf16 = [("add_norm", "many", "bfloat16")] * 2 + [("rope_split", "many", "bfloat16"), ("silu_mul", "many", "bfloat16")]
+    fp32 = [(op, kind, "float32") for op in ("add_norm", "rope_split", "silu_mul") for kind in ("one", "many")]
+    assert sorted((op, kind, str(dtype)[6:]) for _, op, kind, dtype, *_ in glue.packages) == sorted(bf16 + fp32)
+    assert glue.takes(1) and glue.takes(2)
