@@ -66,12 +66,11 @@ class _SiluMul(torch.nn.Module):
 
 
 class CompiledGlue:
-    """The fused operators of a layer (module docstring), each one AOTInductor package for passes
-    of two tokens and more (rows dynamic) and one for one-token passes (a decode step of one
-    sequence: ``torch.export`` specializes a dimension of size one, so that shape has its own
-    static package), per torch thread count, dtypes, widths, head shape and epsilon, loaded from the disk cache or built at its first call (`warm_up` makes the
-    calls at start-up; `engine.aot_kernel.package_for`); ``packages`` holds them, by key. Inputs
-    are contiguous, as the model's pass makes them.
+    """The fused operators of a layer (module docstring), each one AOTInductor package for every
+    pass (rows dynamic from one up), per torch thread count, dtypes, widths, head shape and
+    epsilon, loaded from the disk cache or built at its first call (`warm_up` makes the calls at
+    start-up; `engine.aot_kernel.package_for`); ``packages`` holds them, by key. Inputs are
+    contiguous, as the model's pass makes them.
 
     Raises (from the call that builds a package): ``torch.export`` / inductor errors where
     inductor cannot build CPU code (no C++ compiler); `worker.runtime` turns them into a warning
@@ -97,7 +96,7 @@ class CompiledGlue:
         ``qkv``'s dtype (`engine.models.rope.RotaryEmbedding.cos_sin`, whole-head rotation) -> rotated Q
         ``[T, heads, head_dim]`` in ``q_dtype``, rotated K and V ``[T, kv_heads, head_dim]`` in
         ``kv_dtype`` (the KV pool's), all three contiguous."""
-        key = ("rope_split", _rows_kind(qkv), qkv.dtype, qkv.shape[1], cos.dtype, heads, kv_heads, head_dim,
+        key = ("rope_split", qkv.dtype, qkv.shape[1], cos.dtype, heads, kv_heads, head_dim,
                q_dtype, kv_dtype)
         package = package_for(self.packages, "glue_rope", key, [__file__], lambda: _export(
             _RopeSplit(heads, kv_heads, head_dim, q_dtype, kv_dtype), (qkv, cos, signed_sin)))
@@ -109,7 +108,7 @@ class CompiledGlue:
         """The residual ``h + out`` (both ``[T, hidden]``) and its RMSNorm with ``weight``
         ``[hidden]`` (float32 or ``h``'s dtype) and ``eps``: ``(h + out, norm)``, both in ``h``'s
         dtype."""
-        key = ("add_norm", _rows_kind(h), h.dtype, h.shape[1], weight.dtype, eps)
+        key = ("add_norm", h.dtype, h.shape[1], weight.dtype, eps)
         package = package_for(self.packages, "glue_add_norm", key, [__file__],
                               lambda: _export(_AddNorm(eps, weight.dtype), (h, out, weight)))
         h, x = package(h, out, weight)
@@ -118,7 +117,7 @@ class CompiledGlue:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[T, 2 * intermediate]`` (gate columns, then up) -> ``silu(gate) * up``
         ``[T, intermediate]`` in ``gate_up``'s dtype."""
-        key = ("silu_mul", _rows_kind(gate_up), gate_up.dtype, gate_up.shape[1])
+        key = ("silu_mul", gate_up.dtype, gate_up.shape[1])
         package = package_for(self.packages, "glue_silu_mul", key, [__file__],
                               lambda: _export(_SiluMul(), (gate_up,)))
         return package(gate_up)[0]
@@ -126,32 +125,22 @@ class CompiledGlue:
     def warm_up(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
                 dtype: torch.dtype, q_dtype: torch.dtype, kv_dtype: torch.dtype, weight_dtype: torch.dtype,
                 eps: float) -> None:
-        """Load or build the six packages for these shapes (three operators, one row and many) on
-        the current thread count before the first pass, and run each once on random rows under
-        ``torch.inference_mode``."""
+        """Load or build the three packages for these shapes on the current thread count before
+        the first pass, and run each once on random rows under ``torch.inference_mode``."""
         with torch.inference_mode():
-            for t in (1, 4):
-                self.rope_split(torch.randn(t, (heads + 2 * kv_heads) * head_dim).to(dtype),
-                                *(torch.randn(t, 1, head_dim).to(dtype) for _ in range(2)), heads, kv_heads,
-                                head_dim, q_dtype, kv_dtype)
-                self.add_norm(torch.randn(t, hidden).to(dtype), torch.randn(t, hidden).to(dtype),
-                              torch.ones(hidden, dtype=weight_dtype), eps)
-                self.silu_mul(torch.randn(t, 2 * intermediate).to(dtype))
-
-
-def _rows_kind(x: torch.Tensor) -> str:
-    """Which package a pass of ``x.shape[0]`` rows takes: "one" (static) or "many" (dynamic)."""
-    return "one" if x.shape[0] == 1 else "many"
+            t = 4
+            self.rope_split(torch.randn(t, (heads + 2 * kv_heads) * head_dim).to(dtype),
+                            *(torch.randn(t, 1, head_dim).to(dtype) for _ in range(2)), heads, kv_heads,
+                            head_dim, q_dtype, kv_dtype)
+            self.add_norm(torch.randn(t, hidden).to(dtype), torch.randn(t, hidden).to(dtype),
+                          torch.ones(hidden, dtype=weight_dtype), eps)
+            self.silu_mul(torch.randn(t, 2 * intermediate).to(dtype))
 
 
 def _export(module: torch.nn.Module, example: tuple[torch.Tensor, ...]):
-    """``module`` exported on fresh contiguous operands shaped as ``example``: with one row
-    static, as ``example`` has one (`_rows_kind`); else with 5 rows, the rows of every operand
-    that has them (all but a 1-D weight) dynamic from two up."""
-    one = _rows_kind(example[0]) == "one"
-    args = tuple(torch.zeros(x.shape if x.dim() == 1 or one else (5, *x.shape[1:]), dtype=x.dtype) for x in example)
-    if one:
-        return torch.export.export(module, args)
-    rows = torch.export.Dim("rows", min=2)
+    """``module`` exported on fresh contiguous operands shaped as ``example`` with 5 rows, the
+    rows of every operand that has them (all but a 1-D weight) dynamic from one up."""
+    rows = torch.export.Dim("rows", min=1)
+    args = tuple(torch.zeros(x.shape if x.dim() == 1 else (5, *x.shape[1:]), dtype=x.dtype) for x in example)
     dynamic = tuple(None if x.dim() == 1 else {0: rows} for x in args)
     return torch.export.export(module, args, dynamic_shapes=dynamic)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.aot_kernel import cache_dir, package_key
+from engine.glue import CompiledGlue
 from engine.paged_decode import CompiledDecode, paged_decode_indexed
 
 pytestmark = pytest.mark.unit
@@ -70,18 +71,24 @@ def test_a_restarted_process_loads_the_package_without_dynamo_and_gets_the_eager
 
 
 def test_a_package_the_runtime_refuses_is_built_again(caplog):
-    c = _case()
-    CompiledDecode()(c["q"], c["k_pool"], c["v_pool"], c["batch"], None, SCALE, None)   # built or loaded
-    kernel = CompiledDecode()
-    path = kernel.package(c["q"], c["k_pool"], c["v_pool"], None, SCALE, None).path
-    path.write_bytes(path.read_bytes()[:100])   # truncated, as a crash while copying would leave it
-    kernel = CompiledDecode()
-    with caplog.at_level(logging.WARNING, logger="engine.aot_kernel"):
-        out = kernel(c["q"], c["k_pool"], c["v_pool"], c["batch"], None, SCALE, None)
+    """With the smallest package a worker builds (the fused SiLU x up of one row on SmolLM2's
+    widths, `engine.glue`; loaded when an earlier test left it), truncated as a crash while
+    copying would leave it: the next load warns, builds it again in the same place, and the
+    rebuilt package computes the operator."""
+    gate_up = torch.randn(1, 2 * 1536, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        glue = CompiledGlue()
+        glue.silu_mul(gate_up)   # built or loaded
+        (package,) = glue.packages.values()
+        package.path.write_bytes(package.path.read_bytes()[:100])
+        glue = CompiledGlue()
+        with caplog.at_level(logging.WARNING, logger="engine.aot_kernel"):
+            out = glue.silu_mul(gate_up)
     assert "building it again" in caplog.text
-    (package,) = kernel.packages.values()
-    assert package.built and package.path == path
-    torch.testing.assert_close(out, _eager(c), rtol=1e-5, atol=1e-5)
+    (rebuilt,) = glue.packages.values()
+    assert rebuilt.built and rebuilt.path == package.path
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
 def test_the_cache_key_follows_threads_parameters_and_source(tmp_path):
