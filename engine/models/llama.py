@@ -156,8 +156,8 @@ class LlamaModel:
         (``--attention-backend compiled``, set by `worker.runtime`); None: SDPA."""
         self.glue = None
         """`engine.glue.CompiledGlue` for the rotary embedding, the residual add + RMSNorm and
-        SiLU x up of every pass (set by `worker.runtime` with the attention
-        kernels; used where `glue_applies`); None: the eager operators."""
+        SiLU x up of every pass (set by `worker.runtime` with the attention kernels; used where
+        `glue_applies`); None: the eager operators."""
         self._glue_applies: bool | None = None
         if compiled:
             self._compile()
