@@ -98,12 +98,16 @@ def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2), gl
     (``--attention-backend auto``: `CompiledDecode` for decode rows, `CompiledPrefill` for prompt
     chunks, and with ``glue`` where the model takes it `CompiledGlue` for the operators between
     the matmuls), each built alone for every torch thread count in ``counts`` as a worker builds
-    them (`worker.runtime.warm_kernel_alone`); returns the seconds the builds took. Raises
-    inductor's errors where it cannot build here."""
+    them (`worker.runtime.warm_kernel_alone`), the decode kernel's ``min_rows`` measured as a
+    worker measures it (`worker.runtime`; its passes under ``parallel_min_tokens`` rows on one
+    thread, as a worker's by default); returns the seconds the builds took. Raises inductor's
+    errors where it cannot build here."""
     kinds = [("decode_kernel", CompiledDecode), ("prefill_kernel", CompiledPrefill)]
     if glue and model.glue_applies():
         kinds.append(("glue", CompiledGlue))
-    return sum(warm_kernel_alone(model, pool, attr, kind(), counts) for attr, kind in kinds)
+    seconds = sum(warm_kernel_alone(model, pool, attr, kind(), counts) for attr, kind in kinds)
+    model.measure_decode_rows(pool, lambda rows: 1)
+    return seconds
 
 
 def _run(runner: ModelRunner, pool: KVPool, chunks: list[SeqChunk]) -> None:
@@ -136,7 +140,8 @@ def main(argv=None) -> dict:
     loaded = load_model(None, weights=args.weights)
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=32 * 20, dtype=loaded.kv_dtype))
     if args.attention_backend == "auto":
-        print(f"attention kernels built in {use_worker_kernels(loaded.model, pool):.1f} s", flush=True)
+        print(f"attention kernels built in {use_worker_kernels(loaded.model, pool):.1f} s, the decode kernel "
+              f"from {loaded.model.decode_kernel.min_rows} row(s) on", flush=True)
     columns = {}
 
     def run(name, threads, per_pass=0, busy=False, pin=None, model=None, kv=None):

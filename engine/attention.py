@@ -100,16 +100,14 @@ class ForwardBatch:
 
     def indexed_decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_tables, lens)`` of the one-token sequences for `CompiledDecode`, at least two
-        rows and two columns (a lone row repeated, a lone column followed by a copy of itself:
-        positions past a row's context are masked), ``[R, W]`` and ``[R]`` int64 on the tables'
-        device. Built once per batch and reused by every layer."""
+        columns (a lone column followed by a copy of itself: positions past a row's context are
+        masked), ``[R, W]`` and ``[R]`` int64 on the tables' device. Built once per batch and
+        reused by every layer."""
         if self._indexed_inputs is None:
             tables = self.block_tables
             lens = torch.tensor(self.decode_lens, dtype=torch.long, device=tables.device)
             if tables.shape[1] == 1:
                 tables = torch.cat([tables, tables], dim=1)
-            if tables.shape[0] == 1:
-                tables, lens = tables.expand(2, -1), lens.expand(2)
             # always new tensors, made here: under a model's inference mode all of them are
             # inference tensors, so padded and unpadded batches meet the same guards (one graph)
             self._indexed_inputs = (tables.clone(memory_format=torch.contiguous_format),

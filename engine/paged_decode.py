@@ -5,6 +5,9 @@ Measured against the grouped path: docs/PERFORMANCE.md, "Decode attention throug
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from engine.aot_kernel import AotPackage, package_for
@@ -101,9 +104,9 @@ class CompiledDecode:
     (measured against the grouped path: docs/PERFORMANCE.md, "Decode attention through the block
     table").
 
-    One package serves every decode batch of one pool layout: the batch size and the block
-    table's width are dynamic (two and more: a batch of one row or a table of one column is padded
-    to two, `engine.attention.ForwardBatch.indexed_decode_inputs`). A package is built for one
+    One package serves every decode batch of one pool layout: the batch size (one and more) and
+    the block table's width (two and more: a table of one column is padded to two,
+    `engine.attention.ForwardBatch.indexed_decode_inputs`) are dynamic. A package is built for one
     thread count (inductor writes its parallel loops for it), one pool shape, stride and dtype,
     one query dtype and head shape, window, scale and soft-cap; the kernel keeps one per such key,
     loaded from the disk cache or built at the first call that needs it (a model's ``warm_up``
@@ -117,12 +120,14 @@ class CompiledDecode:
     """
 
     min_rows = 4
-    """Default of ``min_rows`` (`__init__`)."""
+    """Default of ``min_rows`` (`__init__`), until `measure_min_rows` sets it."""
 
     def __init__(self, min_rows: int = min_rows):
         """``min_rows``: decode batches of fewer one-token sequences keep the grouped path, where
-        this kernel's fixed cost per call (padding, the call into the package) outweighs its gain
-        (measured: docs/PERFORMANCE.md, "Decode attention through the block table")."""
+        this kernel's fixed cost per call outweighs its gain; whether it does depends on the CPU,
+        so a worker times both at start-up (`measure_min_rows`; measured: docs/PERFORMANCE.md,
+        "Decode attention through the block table" and "Decode attention on one row, timed at
+        start-up")."""
         self.min_rows = min_rows
         self.packages: dict[tuple, AotPackage] = {}
 
@@ -145,8 +150,6 @@ class CompiledDecode:
         groups of similar length")."""
         tables, lens = batch.indexed_decode_inputs()
         rows = q.shape[0]
-        if rows == 1:
-            q = q.expand(2, -1, -1)
         q = q.contiguous()
         package = self.package(q, k_pool, v_pool, window, scale, softcap)
         groups = None if torch.get_num_threads() > 1 else batch.memo(
@@ -173,10 +176,79 @@ class _Decode(torch.nn.Module):
 def _export_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int | None,
                    scale: float | None, softcap: float | None):
     """`_Decode` exported on example operands shaped as ``q`` and the pools (5 rows, 7 table
-    columns), rows and columns dynamic from two up."""
-    rows, width = torch.export.Dim("rows", min=2), torch.export.Dim("width", min=2)
+    columns), rows dynamic from one up and columns from two."""
+    rows, width = torch.export.Dim("rows", min=1), torch.export.Dim("width", min=2)
     example_q = torch.zeros(5, *q.shape[1:], dtype=q.dtype, device=q.device)
     tables = torch.zeros(5, 7, dtype=torch.long, device=q.device)
     lens = torch.full((5,), 7 * k_pool.shape[2], dtype=torch.long, device=q.device)
     return torch.export.export(_Decode(window, scale, softcap), (example_q, k_pool, v_pool, tables, lens),
                                dynamic_shapes=({0: rows}, None, None, {0: rows, 1: width}, {0: rows}))
+
+
+ROW_CANDIDATES = (1, 2, 3)
+"""Decode batch sizes below `CompiledDecode.min_rows` that `measure_min_rows` times."""
+MEASURE_CONTEXT = 256
+"""Tokens of context per sequence `measure_min_rows` times at (fewer when the pool is smaller)."""
+
+
+def faster_from(times: dict[int, tuple[float, float]], default: int) -> int:
+    """The ``min_rows`` that ``times`` (rows -> (kernel seconds, grouped seconds)) supports: the
+    fewest rows from which the kernel was faster at every timed row count, else ``default``
+    (row counts at or above ``default`` are taken as the kernel's)."""
+    rows = default
+    for r in sorted((r for r in times if r < default), reverse=True):
+        if times[r][0] >= times[r][1]:
+            break
+        rows = r
+    return rows
+
+
+def measure_min_rows(kernel: CompiledDecode, q_shape: tuple[int, int], q_dtype: torch.dtype,
+                     k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: list[int], window: int | None,
+                     scale: float | None, softcap: float | None, threads_for, reps: int = 15) -> dict:
+    """Time one layer's decode attention through ``kernel`` and through the grouped path for
+    each of `ROW_CANDIDATES` rows, the rows sharing ``blocks`` (held by the caller; their
+    contents do not matter) as a context of ``len(blocks) * block_size - 1`` tokens, the calls
+    alternated, each on ``threads_for(rows)`` torch threads (the count a pass of that many
+    tokens runs on); set ``kernel.min_rows`` by `faster_from` (the kernel's fixed cost per call
+    against its gain depends on the CPU: docs/PERFORMANCE.md, "Decode attention on one row,
+    timed at start-up"). The kernel's packages for those thread counts must be built (a model's
+    ``warm_up``) or are built here.
+
+    Args:
+        q_shape: ``(num_heads, head_dim)``; q_dtype: the attention's dtype.
+        k_pool, v_pool: one layer's pool ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        window, scale, softcap: that layer's (`engine.attention.paged_attention`).
+    Returns:
+        ``{rows: (kernel seconds, grouped seconds)}``, medians of ``reps`` calls each.
+    Raises:
+        ValueError: fewer than one block.
+    """
+    from engine.attention import SeqChunk, paged_attention
+
+    if not blocks:
+        raise ValueError("measuring the decode kernel needs at least one block")
+    block_size = k_pool.shape[2]
+    context = len(blocks) * block_size - 1
+    threads, default = torch.get_num_threads(), kernel.min_rows
+    times = {}
+    try:
+        for rows in ROW_CANDIDATES:
+            batch = ForwardBatch.build([SeqChunk([0], context, blocks) for _ in range(rows)], block_size)
+            q = torch.randn(rows, *q_shape, dtype=q_dtype)
+            torch.set_num_threads(threads_for(rows))
+            spent = {True: [], False: []}
+            for rep in range(reps + 1):
+                for compiled in (True, False) if rep % 2 else (False, True):
+                    kernel.min_rows = 1
+                    start = time.perf_counter()
+                    paged_attention(q, q, q, k_pool, v_pool, batch, block_size, window, scale, softcap,
+                                    kernel if compiled else None)
+                    if rep:   # the first of each is a warm-up
+                        spent[compiled].append(time.perf_counter() - start)
+            times[rows] = (statistics.median(spent[True]), statistics.median(spent[False]))
+    finally:
+        torch.set_num_threads(threads)
+        kernel.min_rows = default
+    kernel.min_rows = faster_from(times, default)
+    return times

@@ -52,6 +52,15 @@ def dense_dtype() -> torch.dtype:
     return torch.bfloat16 if bf16_matmul_fast() else torch.float32
 
 
+def default_int8_head_rows() -> int:
+    """`HeadLinear`'s ``max_int8_rows`` where it is not measured: 8 where its dense copy is
+    float32 (the greedy token is then the float32 copy's either way, since ``low_bit``
+    recomputes every candidate exactly from the same weights), 4 where it is bfloat16 (whose
+    rounding differs from the int8 path's). Measured: docs/PERFORMANCE.md, "The int8 head up to
+    eight rows"."""
+    return 8 if dense_dtype() == torch.float32 else 4
+
+
 def int4_kernel_available() -> bool:
     """True when this torch build has the CPU int4 weight-only matmul and it agrees with a
     dequantized float matmul on random data (within bfloat16 tolerance)."""

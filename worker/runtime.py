@@ -154,7 +154,7 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
         return   # compiled layers attend through their own custom operator
     kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", CompiledPrefill.min_tokens)]
     if config.role == "decode":
-        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", CompiledDecode.min_rows))
+        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", 1))   # min_rows measured
     if getattr(model, "glue_applies", lambda: False)():
         kernels.append(("glue", CompiledGlue, "layer operators", "eager operators", CompiledGlue.min_rows))
     for attr, kind, what, fallback, shortest in kernels:
@@ -171,9 +171,22 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
             continue
         packages = list(kernel.packages.values())
         built = sum(p.built for p in packages)
+        if attr == "decode_kernel":
+            _measure_decode_rows(config, model, pool, kernel)
         log.info("%s: compiled (%s.%s), ready in %.1f s: %d package(s) for thread counts %s, %d built, %d loaded "
                  "from %s", what, kind.__module__, kind.__name__, seconds, len(packages), counts, built,
                  len(packages) - built, aot_cache_dir())
+
+
+def _measure_decode_rows(config: WorkerConfig, model, pool: KVPool, kernel: CompiledDecode) -> None:
+    """Set the decode kernel's ``min_rows`` by timing it against the grouped path on this CPU
+    (the model's ``measure_decode_rows``), each batch size on the thread count its pass runs on
+    (one below ``parallel_min_tokens``, as `engine.runner.ModelRunner.set_pass_threads`), and
+    log the times."""
+    times = model.measure_decode_rows(pool, lambda rows: config.threads if rows >= config.parallel_min_tokens else 1)
+    log.info("decode attention: compiled from %d row(s) on (measured: %s)", kernel.min_rows,
+             ", ".join(f"{rows} row(s) {k * 1e6:.0f} us compiled against {g * 1e6:.0f} us grouped"
+                       for rows, (k, g) in times.items()) or "no free block: the default")
 
 
 KERNEL_ATTRS = ("prefill_kernel", "decode_kernel", "glue")   # a model's compiled kernels

@@ -31,8 +31,8 @@ from engine.linear import Linear, bf16_matmul_fast, gemv_copy_pays, resolve_back
 from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
 from engine.models.rope import RotaryEmbedding
-from engine.quant import (LOW_BIT_KERNELS, HeadLinear, Int4Linear, Int4Weight, measure_low_bit_kernel,
-                          measure_max_low_bit_rows)
+from engine.quant import (LOW_BIT_KERNELS, HeadLinear, Int4Linear, Int4Weight, default_int8_head_rows,
+                          measure_low_bit_kernel, measure_max_low_bit_rows)
 from engine.tp import TPGroup, local_config, vocab_rows
 from engine.weights import LayerWeights, LlamaWeights
 
@@ -55,7 +55,7 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
-                 max_int4_rows: int | None = None, max_int8_head_rows: int | None = 4,
+                 max_int4_rows: int | None = None, max_int8_head_rows: int | str | None = "default",
                  kv_dtype: torch.dtype | None = None,
                  gemv_copies: bool = True, compiled: bool = False, tp: TPGroup | None = None):
         """Args:
@@ -67,7 +67,8 @@ class LlamaModel:
                 `engine.quant.measure_max_low_bit_rows`); given: torch's int4 kernel.
             max_int8_head_rows: with 4-bit projections, the LM head runs the file's Q8_0 blocks
                 (int8 activations, `engine.mlas`) for at most this many logits rows, a dense
-                copy above it (`engine.quant.HeadLinear`). None: measured at load, as
+                copy above it (`engine.quant.HeadLinear`). "default": this CPU's
+                (`engine.quant.default_int8_head_rows`). None: measured at load, as
                 ``max_int4_rows``; not the default, since the two paths round the logits
                 differently and a greedy answer whose two best tokens are that close must not
                 depend on a timing (measured: docs/PERFORMANCE.md, "Q8_0 head on MatMulNBits").
@@ -119,6 +120,8 @@ class LlamaModel:
         # slower for their whole life, none with this order (the placement of the packed int4
         # weights beside onnxruntime's allocations, presumably; measured: docs/PERFORMANCE.md,
         # "Head build order")
+        if max_int8_head_rows == "default":
+            max_int8_head_rows = default_int8_head_rows()
         self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, backend) if self.quantized
                          else Linear(weights.lm_head, backend, gemv_copies))
         weights.lm_head = None   # a tied head's weight stays referenced as the embedding
@@ -347,6 +350,24 @@ class LlamaModel:
         finally:
             pool.allocator.free(blocks)
         return time.perf_counter() - t0
+
+    def measure_decode_rows(self, pool: KVPool, threads_for) -> dict:
+        """Time the `decode_kernel` against the grouped path below its ``min_rows`` on layer 0
+        and set ``min_rows`` by it (`engine.paged_decode.measure_min_rows`, ``threads_for(rows)``
+        its thread counts), over blocks taken from ``pool`` for a ``MEASURE_CONTEXT``-token
+        context (fewer when fewer are free) and given back. Returns its times, ``{}`` (nothing
+        changed) when no block is free or the model has no decode kernel."""
+        from engine.paged_decode import MEASURE_CONTEXT, measure_min_rows
+
+        if self.decode_kernel is None or not pool.allocator.num_free:
+            return {}
+        blocks = pool.allocator.allocate(min(MEASURE_CONTEXT // pool.block_size + 1, pool.allocator.num_free))
+        try:
+            return measure_min_rows(self.decode_kernel, (self._local.num_heads, self._local.head_dim),
+                                    self.attn_dtype, *pool.layer_view(0), blocks, self._windows[0],
+                                    self.config.attn_scale, self.config.attn_softcap, threads_for)
+        finally:
+            pool.allocator.free(blocks)
 
     def _compile(self) -> None:
         """Register every projection, expert block and the head with `engine.compiled` and

@@ -57,6 +57,18 @@ class _CountingDecode(_RecordsThreads, CompiledDecode):
     """The real decode kernel, recording thread counts."""
 
 
+class _RowsAndThreads(CompiledDecode):
+    """The real decode kernel, recording (rows, torch thread count) of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __call__(self, q, *args, **kwargs):
+        self.calls.append((q.shape[0], torch.get_num_threads()))
+        return super().__call__(q, *args, **kwargs)
+
+
 @pytest.fixture()
 def model_and_pool():
     return _model(5), KVPool(TINY, CacheConfig(block_size=4, num_blocks=16))
@@ -141,3 +153,49 @@ def test_the_kernels_build_with_torchs_isa_detection_unless_told_otherwise():
     with inductor_config.patch({"cpp.vec_isa_ok": False}):
         configure_inductor()
         assert inductor_config.cpp.vec_isa_ok is False
+
+
+def test_the_decode_kernels_min_rows_is_the_fewest_rows_it_was_faster_from():
+    """`faster_from`: the fewest rows from which the kernel was faster at every timed row count;
+    a slower count above keeps the rows below it on the grouped path; nothing timed, the default."""
+    from engine.paged_decode import faster_from
+
+    fast, slow = (1.0, 2.0), (2.0, 1.0)
+    assert faster_from({1: fast, 2: fast, 3: fast}, 4) == 1
+    assert faster_from({1: slow, 2: fast, 3: fast}, 4) == 2
+    assert faster_from({1: fast, 2: slow, 3: fast}, 4) == 3
+    assert faster_from({1: fast, 2: fast, 3: slow}, 4) == 4
+    assert faster_from({1: (1.0, 1.0), 2: fast, 3: fast}, 4) == 2   # a tie stays grouped
+    assert faster_from({}, 4) == 4 and faster_from({5: slow}, 4) == 4
+
+
+def test_a_decode_worker_sets_its_kernels_min_rows_by_timing_it_on_each_rows_thread_count(
+        model_and_pool, monkeypatch, caplog):
+    """A decode worker of two threads times its decode kernel against the grouped path at 1, 2
+    and 3 rows on one thread (under ``parallel_min_tokens``, as those passes run) or two (at or
+    above it), through the built package; ``min_rows`` is what those times support, logged with
+    them, and the blocks the timing took are back in the pool."""
+    from engine.paged_decode import ROW_CANDIDATES, faster_from
+
+    model, pool = model_and_pool
+    measured = []
+    real = model.measure_decode_rows
+
+    def measure(pool, threads_for):
+        measured.append(real(pool, threads_for))
+        return measured[-1]
+
+    monkeypatch.setattr(model, "measure_decode_rows", measure)
+    monkeypatch.setattr("worker.runtime.CompiledDecode", _RowsAndThreads)
+    before = torch.get_num_threads()
+    with caplog.at_level(logging.INFO, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto", threads=2,
+                                            parallel_min_tokens=3), model, pool)
+    (times,) = measured
+    assert sorted(times) == list(ROW_CANDIDATES) and all(k > 0 and g > 0 for k, g in times.values())
+    kernel = model.decode_kernel
+    assert kernel.min_rows == faster_from(times, CompiledDecode.min_rows)
+    assert f"decode attention: compiled from {kernel.min_rows} row(s) on (measured: 1 row(s)" in caplog.text
+    assert {(rows, threads) for rows, threads in kernel.calls if rows < 4} == {(1, 1), (2, 1), (3, 2)}
+    assert sorted({key[0] for key in kernel.packages}) == [1, 2]   # no package built by the timing
+    assert torch.get_num_threads() == before and pool.allocator.num_free == pool.allocator.num_blocks

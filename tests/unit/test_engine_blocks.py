@@ -353,7 +353,7 @@ def test_a_model_decodes_through_the_compiled_kernel_as_through_the_grouped_path
         return outs
 
     want = steps()
-    kernel = model.decode_kernel = CompiledDecode(min_rows=1)   # a lone row too (padded to two)
+    kernel = model.decode_kernel = CompiledDecode(min_rows=1)   # a lone row too
     try:
         assert model.warm_up(pool) > 0
         assert len(kernel.packages) == 1
