@@ -62,8 +62,8 @@ def _one_call(kernel: CompiledDecode, q, k_pool, v_pool, fb: ForwardBatch):
     """The kernel's package called once over ``fb``'s whole table (no length groups)."""
     package = kernel.package(q, k_pool, v_pool, None, None, None)
     tables, lens = fb.indexed_decode_inputs()
-    q2 = (q.expand(2, -1, -1) if q.shape[0] == 1 else q).contiguous()
-    return lambda: package(q2, k_pool, v_pool, tables, lens)
+    q = q.contiguous()
+    return lambda: package(q, k_pool, v_pool, tables, lens)
 
 
 def main(argv=None) -> dict:
