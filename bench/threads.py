@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=32 * 20, dtype=loaded.kv_dtype))
     if args.attention_backend == "auto":
         print(f"attention kernels built in {use_worker_kernels(loaded.model, pool):.1f} s, the decode kernel "
-              f"from {loaded.model.decode_kernel.min_rows} row(s) on", flush=True)
+              f"from {loaded.model.decode_kernel.min_rows} row(s) up", flush=True)
     columns = {}
 
     def run(name, threads, per_pass=0, busy=False, pin=None, model=None, kv=None):

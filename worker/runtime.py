@@ -171,11 +171,11 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
             continue
         packages = list(kernel.packages.values())
         built = sum(p.built for p in packages)
-        if attr == "decode_kernel":
-            _measure_decode_rows(config, model, pool, kernel)
         log.info("%s: compiled (%s.%s), ready in %.1f s: %d package(s) for thread counts %s, %d built, %d loaded "
                  "from %s", what, kind.__module__, kind.__name__, seconds, len(packages), counts, built,
                  len(packages) - built, aot_cache_dir())
+        if attr == "decode_kernel":
+            _measure_decode_rows(config, model, pool, kernel)
 
 
 def _measure_decode_rows(config: WorkerConfig, model, pool: KVPool, kernel: CompiledDecode) -> None:
@@ -184,7 +184,7 @@ def _measure_decode_rows(config: WorkerConfig, model, pool: KVPool, kernel: Comp
     (one below ``parallel_min_tokens``, as `engine.runner.ModelRunner.set_pass_threads`), and
     log the times."""
     times = model.measure_decode_rows(pool, lambda rows: config.threads if rows >= config.parallel_min_tokens else 1)
-    log.info("decode attention: compiled from %d row(s) on (measured: %s)", kernel.min_rows,
+    log.info("decode attention: compiled from %d row(s) up (measured: %s)", kernel.min_rows,
              ", ".join(f"{rows} row(s) {k * 1e6:.0f} us compiled against {g * 1e6:.0f} us grouped"
                        for rows, (k, g) in times.items()) or "no free block: the default")
 

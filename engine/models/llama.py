@@ -418,7 +418,7 @@ class LlamaModel:
         left None on every layer's projections in forward order (their weights out of cache, as
         a step meets them) and on the head (`measure_max_low_bit_rows`)."""
         int4 = [p for lin in self._layers for p in vars(lin).values() if isinstance(p, Int4Linear)]
-        how = "measured" if int4_rows is None or head_rows is None else "given"
+        how = ["measured" if rows is None else "given" for rows in (int4_rows, head_rows)]
         if int4_rows is None and int4:   # built with both low-bit kernels: keep the faster
             kernel = measure_low_bit_kernel(int4)
             for p in int4:
@@ -432,8 +432,8 @@ class LlamaModel:
             p.set_max_rows(int4_rows)
         self._lm_head.set_max_rows(head_rows)
         self.max_int4_rows, self.max_int8_head_rows = int4_rows, head_rows
-        log.info("native weights: 4-bit projections through the %s kernel up to %d rows, int8 head "
-                 "up to %d rows (%s)", self.low_bit_kernel, int4_rows, head_rows, how)
+        log.info("native weights: 4-bit projections through the %s kernel up to %d rows (%s), int8 head "
+                 "up to %d rows (%s)", self.low_bit_kernel, int4_rows, how[0], head_rows, how[1])
 
 
 class _LayerExtras:

@@ -195,7 +195,7 @@ def test_a_decode_worker_sets_its_kernels_min_rows_by_timing_it_on_each_rows_thr
     assert sorted(times) == list(ROW_CANDIDATES) and all(k > 0 and g > 0 for k, g in times.values())
     kernel = model.decode_kernel
     assert kernel.min_rows == faster_from(times, CompiledDecode.min_rows)
-    assert f"decode attention: compiled from {kernel.min_rows} row(s) on (measured: 1 row(s)" in caplog.text
+    assert f"decode attention: compiled from {kernel.min_rows} row(s) up (measured: 1 row(s)" in caplog.text
     assert {(rows, threads) for rows, threads in kernel.calls if rows < 4} == {(1, 1), (2, 1), (3, 2)}
     assert sorted({key[0] for key in kernel.packages}) == [1, 2]   # no package built by the timing
     assert torch.get_num_threads() == before and pool.allocator.num_free == pool.allocator.num_blocks
