@@ -11,7 +11,7 @@ import time
 import torch
 
 from engine.aot_kernel import AotPackage, package_for
-from engine.attention import ForwardBatch
+from engine.attention import ForwardBatch, SeqChunk, paged_attention
 
 MAX_LENGTH_GROUPS = 3
 """Most calls a decode step's attention is split into by context length (`length_groups`)."""
@@ -224,14 +224,13 @@ def measure_min_rows(kernel: CompiledDecode, q_shape: tuple[int, int], q_dtype: 
     Raises:
         ValueError: fewer than one block.
     """
-    from engine.attention import SeqChunk, paged_attention
-
     if not blocks:
         raise ValueError("measuring the decode kernel needs at least one block")
     block_size = k_pool.shape[2]
     context = len(blocks) * block_size - 1
     threads, default = torch.get_num_threads(), kernel.min_rows
     times = {}
+    kernel.min_rows = 1   # the kernel takes every batch while it is timed
     try:
         for rows in ROW_CANDIDATES:
             batch = ForwardBatch.build([SeqChunk([0], context, blocks) for _ in range(rows)], block_size)
@@ -240,7 +239,6 @@ def measure_min_rows(kernel: CompiledDecode, q_shape: tuple[int, int], q_dtype: 
             spent = {True: [], False: []}
             for rep in range(reps + 1):
                 for compiled in (True, False) if rep % 2 else (False, True):
-                    kernel.min_rows = 1
                     start = time.perf_counter()
                     paged_attention(q, q, q, k_pool, v_pool, batch, block_size, window, scale, softcap,
                                     kernel if compiled else None)
