@@ -195,7 +195,9 @@ class Int4Linear:
       ``[out, in / 32]``, times each block's sum of ``x``, in float32; none for Q4_0, whose
       ``zero`` is 0).
     Which one is faster depends on the CPU (docs/PERFORMANCE.md, "MatMulNBits for the 4-bit
-    projections"): the model times both at load (`measure_low_bit_kernel`) and keeps one
+    projections") and on the thread count a pass runs on (torch's int4 kernel is parallel over
+    torch's threads, MatMulNBits runs on the calling thread): the model times both at load
+    (`choose_low_bit_plans`) and keeps one per thread count (`set_plans`) or one for all
     (`keep_kernel`).
 
     Args:
@@ -220,6 +222,7 @@ class Int4Linear:
         self.out_features, self.in_features = weight.shape
         self.max_int4_rows = max_int4_rows
         self.kernel = kernels[0]
+        self.plans: dict[int, tuple[str, int]] = {}   # torch threads -> (kernel, max rows): `set_plans`
         self._packed = self._scale_zero = self._nbits = None
         zero = weight.minimum + 8.0 * weight.scale   # [out, in / 32]: w = scale (q - 8) + zero; 0 for Q4_0
         if "int4" in kernels:
@@ -234,23 +237,57 @@ class Int4Linear:
         self._dense = Linear(weight.dequantize().to(self._dense_dtype), dense_backend)
 
     def set_max_rows(self, rows: int) -> None:
-        """Use the low-bit kernel up to ``rows`` rows from now on."""
+        """Use the low-bit kernel up to ``rows`` rows from now on (at every thread count)."""
         self.max_int4_rows = rows
+        self.plans = {n: (kernel, rows) for n, (kernel, _) in self.plans.items()}
 
     def keep_kernel(self, kernel: str) -> None:
         """Use ``kernel`` (one of those built) for few rows from now on, and free the other.
         Raises:
             ValueError: ``kernel`` was not built."""
+        self._check_built(kernel)
+        self.kernel = kernel
+        self.plans = {n: (kernel, rows) for n, (_, rows) in self.plans.items()}
+        self._free_unused({kernel})
+
+    def set_plans(self, plans: dict[int, tuple[str, int]]) -> None:
+        """Per torch thread count, the kernel and the most rows it runs (``{threads: (kernel,
+        max_rows)}``); a pass on a count not listed takes the plan of the largest listed count
+        below it (else the smallest listed). Frees the kernels no plan names.
+        Raises:
+            ValueError: empty, or a kernel that was not built."""
+        if not plans:
+            raise ValueError("set_plans needs at least one thread count")
+        for kernel, _ in plans.values():
+            self._check_built(kernel)
+        self.plans = dict(sorted(plans.items()))
+        self.kernel, self.max_int4_rows = self.plan_for(torch.get_num_threads())
+        self._free_unused({kernel for kernel, _ in plans.values()})
+
+    def plan_for(self, threads: int) -> tuple[str, int]:
+        """``(kernel, max_rows)`` for a pass on ``threads`` torch threads (`set_plans`)."""
+        if not self.plans:
+            return self.kernel, self.max_int4_rows
+        below = [n for n in self.plans if n <= threads]
+        return self.plans[max(below) if below else min(self.plans)]
+
+    def _check_built(self, kernel: str) -> None:
         if {"int4": self._packed, "nbits": self._nbits}.get(kernel) is None:
             raise ValueError(f"low-bit kernel {kernel!r} was not built")
-        self.kernel = kernel
-        if kernel == "int4":
+
+    def _free_unused(self, used: set[str]) -> None:
+        if "nbits" not in used:
             self._nbits = None
-        else:
+        if "int4" not in used:
             self._packed = self._scale_zero = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.low_bit(x) if x.shape[0] <= self.max_int4_rows else self.dense(x)
+        threads = torch.get_num_threads()
+        kernel, rows = self.plans.get(threads) or self.plan_for(threads)
+        if x.shape[0] > rows:
+            y = self.dense(x)
+        else:
+            y = self.int4(x) if kernel == "int4" else self.nbits(x)
         return y.to(x.dtype)
 
     def low_bit(self, x: torch.Tensor) -> torch.Tensor:
@@ -407,3 +444,37 @@ def measure_low_bit_kernel(linears: list, reps: int = 5) -> str:
     xs = [torch.randn(1, lin.in_features, generator=gen) for lin in linears]
     int4 = median_seconds(linears, xs, "int4", reps)
     return "nbits" if median_seconds(linears, xs, "nbits", reps) < int4 else "int4"
+
+
+def choose_low_bit_plans(linears: list, thread_counts: tuple[int, ...]) -> dict[int, tuple[str, int]]:
+    """Time `Int4Linear`'s two low-bit kernels and the dense copies on each of ``thread_counts``
+    torch threads (`measure_low_bit_kernel`, then `measure_max_low_bit_rows` with the faster
+    kernel), give every linear the plans (`Int4Linear.set_plans`), and return them. A worker on N
+    threads runs its passes of few tokens on one (`engine.runner.ModelRunner`'s
+    ``parallel_min_tokens``), where the faster kernel and its row threshold can differ from N's.
+    torch's thread count is restored afterwards.
+
+    Args:
+        linears: `Int4Linear` objects built with both kernels, in forward order.
+        thread_counts: the torch thread counts passes run on.
+    Returns:
+        ``{threads: (kernel, max_rows)}``.
+    Raises:
+        ValueError: no thread count, or one below 1.
+    """
+    if not thread_counts or min(thread_counts) < 1:
+        raise ValueError(f"thread counts must be >= 1, got {thread_counts!r}")
+    before = torch.get_num_threads()
+    plans = {}
+    try:
+        for threads in sorted(set(thread_counts)):
+            torch.set_num_threads(threads)
+            kernel = measure_low_bit_kernel(linears)
+            for p in linears:
+                p.kernel = kernel   # what `measure_max_low_bit_rows` times through ``low_bit``
+            plans[threads] = (kernel, measure_max_low_bit_rows(linears))
+    finally:
+        torch.set_num_threads(before)
+    for p in linears:
+        p.set_plans(plans)
+    return plans

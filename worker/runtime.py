@@ -242,7 +242,8 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     loaded = loaded or load_model(config.model, config.weights, config.device,
                                  gemv_copies=config.role != "prefill", compiled=not config.enforce_eager,
                                  tensor_parallel_size=config.tensor_parallel_size, threads=config.threads,
-                                 tp_extension="worker.tp_rank:RankDataPlane")
+                                 tp_extension="worker.tp_rank:RankDataPlane",
+                                 low_bit_threads=tuple(_pass_thread_counts(config, 1)))
     tp = getattr(loaded.model, "tp_size", 1) > 1
     if config.weights == "auto":   # the mode load_model resolved it to (the compatibility hash's)
         config = dataclasses.replace(config, weights=loaded.weights)

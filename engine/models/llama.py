@@ -31,8 +31,8 @@ from engine.linear import Linear, bf16_matmul_fast, gemv_copy_pays, resolve_back
 from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
 from engine.models.rope import RotaryEmbedding
-from engine.quant import (LOW_BIT_KERNELS, HeadLinear, Int4Linear, Int4Weight, default_int8_head_rows,
-                          measure_low_bit_kernel, measure_max_low_bit_rows)
+from engine.quant import (LOW_BIT_KERNELS, HeadLinear, Int4Linear, Int4Weight, choose_low_bit_plans,
+                          default_int8_head_rows, measure_max_low_bit_rows)
 from engine.tp import TPGroup, local_config, vocab_rows
 from engine.weights import LayerWeights, LlamaWeights
 
@@ -47,24 +47,25 @@ class LlamaModel:
     Building it takes the weights over: each layer's projections (and experts) are packed into
     the model's kernels and then dropped from the `LlamaWeights` passed in (set to None, as is
     its ``lm_head``), one projection (expert) at a time, so that loading never holds a second
-    full copy of the weights (each is large enough for a mapping of its own, so freeing it
-    returns its pages at once: a ``malloc_trim`` between layers lowered no peak, measured). The caller must not use
-    that weights object again (build a second model from freshly loaded weights); the model
-    keeps the embedding, norms and biases it references, and a float32 projection's original
-    stays its gemv copy when those are kept.
+    full copy of the weights (each is large enough for a mapping of its own, so freeing it returns
+    its pages at once). The caller must not use that weights object again (build a second model
+    from freshly loaded weights); the model keeps the embedding, norms and biases it references,
+    and a float32 projection's original stays its gemv copy when those are kept.
     """
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
                  max_int4_rows: int | None = None, max_int8_head_rows: int | str | None = "default",
                  kv_dtype: torch.dtype | None = None,
-                 gemv_copies: bool = True, compiled: bool = False, tp: TPGroup | None = None):
+                 gemv_copies: bool = True, compiled: bool = False, tp: TPGroup | None = None,
+                 low_bit_threads: tuple[int, ...] | None = None):
         """Args:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant.Int4Linear`) use a low-bit kernel for
                 at most this many tokens per forward pass, their dequantized copy above it. None:
                 measured on this CPU at load, over every layer's projections, and so is which
-                low-bit kernel (`engine.quant.measure_low_bit_kernel`, then
-                `engine.quant.measure_max_low_bit_rows`); given: torch's int4 kernel.
+                low-bit kernel, on each torch thread count a pass may run on, ``low_bit_threads``
+                (default: one and the load's; `engine.quant.choose_low_bit_plans`;
+                `self.low_bit_plans`); given: torch's int4 kernel.
             max_int8_head_rows: with 4-bit projections, the LM head runs the file's Q8_0 blocks
                 (int8 activations, `engine.mlas`) for at most this many logits rows, a dense
                 copy above it (`engine.quant.HeadLinear`). "default": this CPU's
@@ -127,7 +128,8 @@ class LlamaModel:
         weights.lm_head = None   # a tied head's weight stays referenced as the embedding
         self._layers, self._experts = [], []
         self.gemv_copies = False
-        self.low_bit_kernel = None   # the 4-bit projections' kernel for few rows (`_choose_low_bit_rows`)
+        self.low_bit_kernel, self.low_bit_plans = None, {}   # few rows of the 4-bit projections (`_choose_low_bit_rows`)
+        self._low_bit_threads = tuple(low_bit_threads or {1, torch.get_num_threads()})
         for i, layer in enumerate(weights.layers):
             self._layers.append(_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies,
                                               LOW_BIT_KERNELS if max_int4_rows is None else ("int4",)))
@@ -414,26 +416,25 @@ class LlamaModel:
         return False
 
     def _choose_low_bit_rows(self, int4_rows: int | None, head_rows: int | None) -> None:
-        """Set the row thresholds of the int4 projections and the int8 head, measuring those
-        left None on every layer's projections in forward order (their weights out of cache, as
-        a step meets them) and on the head (`measure_max_low_bit_rows`)."""
+        """Set the int4 projections' kernel and rows per pass thread count and the int8 head's rows,
+        measuring those left None (`choose_low_bit_plans`, `measure_max_low_bit_rows`)."""
         int4 = [p for lin in self._layers for p in vars(lin).values() if isinstance(p, Int4Linear)]
         how = ["measured" if rows is None else "given" for rows in (int4_rows, head_rows)]
-        if int4_rows is None and int4:   # built with both low-bit kernels: keep the faster
-            kernel = measure_low_bit_kernel(int4)
+        threads = torch.get_num_threads()
+        if int4_rows is None and int4:   # built with both low-bit kernels: a plan per pass thread count
+            self.low_bit_plans = choose_low_bit_plans(int4, self._low_bit_threads)
+        elif int4:
+            self.low_bit_plans = {threads: (int4[0].kernel, int4_rows or 0)}
             for p in int4:
-                p.keep_kernel(kernel)
-            int4_rows = measure_max_low_bit_rows(int4)
-        int4_rows = int4_rows or 0
-        self.low_bit_kernel = int4[0].kernel if int4 else None
+                p.set_plans(self.low_bit_plans)
+        self.low_bit_kernel, self.max_int4_rows = int4[0].plan_for(threads) if int4 else (None, 0)
         if head_rows is None:
             head_rows = measure_max_low_bit_rows([self._lm_head], candidates=(1, 2, 4), reps=3)
-        for p in int4:
-            p.set_max_rows(int4_rows)
         self._lm_head.set_max_rows(head_rows)
-        self.max_int4_rows, self.max_int8_head_rows = int4_rows, head_rows
-        log.info("native weights: 4-bit projections through the %s kernel up to %d rows (%s), int8 head "
-                 "up to %d rows (%s)", self.low_bit_kernel, int4_rows, how[0], head_rows, how[1])
+        self.max_int8_head_rows = head_rows
+        log.info("native weights: 4-bit projections through %s (%s), int8 head up to %d rows (%s)", ", ".join(
+            f"the {k} kernel up to {r} rows on {n} thread(s)" for n, (k, r) in self.low_bit_plans.items()) or "none",
+            how[0], head_rows, how[1])
 
 
 class _LayerExtras:

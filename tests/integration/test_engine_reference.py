@@ -200,13 +200,13 @@ def test_native_low_bit_kernels_match_the_dequantized_reference(smollm, referenc
     AVX2 Zen 3 EPYC: int4 mean KL 2.9e-4, 99th percentile 0.0022, max 0.0076, 99.2% top-1; nbits
     3.0e-3, 0.026, 0.040, 97.7% (so it fails int4's tolerance). Greedy decoding, through the
     kernel the model keeps for few rows, answers the first question as fp32 does for 16 tokens."""
-    import engine.models.llama
+    import engine.quant
     from engine.loader import build_generator, load_model
     from engine.quant import Int4Linear, int4_kernel_available
 
     if not int4_kernel_available():
         pytest.skip(f"torch {torch.__version__} has no working CPU int4 kernel")
-    monkeypatch.setattr(engine.models.llama, "measure_low_bit_kernel", lambda linears: kernel)
+    monkeypatch.setattr(engine.quant, "measure_low_bit_kernel", lambda linears: kernel)
     native = load_model(weights="native")
     assert native.model.low_bit_kernel == kernel
     linears = [p for lin in native.model._layers for p in vars(lin).values() if isinstance(p, Int4Linear)]

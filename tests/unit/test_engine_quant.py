@@ -295,10 +295,13 @@ def test_low_bit_rows_are_those_before_the_first_row_count_where_it_loses():
 def test_measured_thresholds_apply_to_every_projection():
     """The real kernels, timed on this CPU: whatever low-bit kernel and row count are chosen,
     every 4-bit projection of the model uses them, and inputs up to the rows take the low-bit
-    kernel, above them the dense copy."""
+    kernel, above them the dense copy. Timed on each thread count the loader is given."""
     from engine.loader import load_model
 
-    m = load_model(weights="native")
+    m = load_model(weights="native", low_bit_threads=(1, 2))
+    assert set(m.model.low_bit_plans) == {1, 2}
+    assert all(p.plans == m.model.low_bit_plans for lin in m.model._layers for p in vars(lin).values()
+               if isinstance(p, Int4Linear))
     rows = m.model.max_int4_rows
     assert rows in (0, 1, 2, 4, 8, 16, 32)
     # the head's rows are not timed: 8 over a float32 dense copy, 4 over a bfloat16 one
@@ -306,11 +309,12 @@ def test_measured_thresholds_apply_to_every_projection():
     assert {p.max_int4_rows for lin in m.model._layers for p in vars(lin).values()
             if isinstance(p, Int4Linear)} == {rows}
     wo = m.model._layers[0].wo
-    # the low-bit kernel timed faster at one row, the same for every projection, the other freed
+    # the low-bit kernel timed faster at one row, the same for every projection, one no plan names freed
     assert m.model.low_bit_kernel in ("int4", "nbits")
     assert {p.kernel for lin in m.model._layers for p in vars(lin).values()
             if isinstance(p, Int4Linear)} == {m.model.low_bit_kernel}
-    assert (wo._packed is None) == (m.model.low_bit_kernel == "nbits") and (wo._nbits is None) == (wo.kernel == "int4")
+    kept = {kernel for kernel, _ in m.model.low_bit_plans.values()}
+    assert (wo._packed is None) == ("int4" not in kept) and (wo._nbits is None) == ("nbits" not in kept)
     for n in {max(rows, 1), rows + 1}:
         x = torch.randn(n, wo.in_features)
         want = wo.low_bit(x) if n <= rows else wo.dense(x)
@@ -322,6 +326,7 @@ def test_threshold_is_timed_over_every_layers_projections_in_forward_order(monke
     weights out of cache), not on one layer kept hot by the repetitions: layer 0 alone made the
     bfloat16 copies look faster than they are (engine.quant.measure_max_low_bit_rows)."""
     import engine.models.llama
+    import engine.quant
     from engine.loader import load_model
 
     timed = []
@@ -330,9 +335,50 @@ def test_threshold_is_timed_over_every_layers_projections_in_forward_order(monke
         timed.append(list(linears))
         return 2 if isinstance(linears[0], Int4Linear) else 4
 
-    monkeypatch.setattr(engine.models.llama, "measure_max_low_bit_rows", fake_measure)
+    monkeypatch.setattr(engine.quant, "measure_max_low_bit_rows", fake_measure)      # the projections'
+    monkeypatch.setattr(engine.models.llama, "measure_max_low_bit_rows", fake_measure)   # the head's
     m = load_model(weights="native").model
     forward_order = [p for lin in m._layers for p in (lin.wqkv, lin.wo, lin.w_gate_up, lin.w_down)]
     assert len(timed) == 1 and timed[0] == forward_order     # the head's threshold is given (4)
     assert len(forward_order) == 4 * m.config.num_layers
     assert m.max_int4_rows == 2 and {p.max_int4_rows for p in forward_order} == {2}
+
+
+def test_each_pass_thread_count_takes_its_own_measured_kernel_and_rows():
+    """A worker on N threads runs its few-token passes on one (`ModelRunner`'s
+    ``parallel_min_tokens``): the low-bit kernel and its row threshold are timed on 1 and on N
+    threads, and every call follows the plan of the thread count it runs on."""
+    from engine.quant import choose_low_bit_plans
+
+    data, shape = _quantized(T.Q4_1, n=64, k=128)
+    linears = [Int4Linear(Int4Weight.from_gguf(data, "Q4_1", shape), 0, "torch", kernels=("int4", "nbits"))
+               for _ in range(4)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plans = choose_low_bit_plans(linears, (2, 1))
+        assert torch.get_num_threads() == 2   # restored
+        assert set(plans) == {1, 2}
+        assert all(k in ("int4", "nbits") and r in (0, 1, 2, 4, 8, 16, 32) for k, r in plans.values())
+        assert all(p.plans == plans for p in linears)
+        lin = linears[0]
+        assert (lin._nbits is None) == ("nbits" not in {k for k, _ in plans.values()})
+        # the plans themselves, set by hand: nbits up to 8 rows on one thread, int4 up to 2 on two
+        both = [Int4Linear(Int4Weight.from_gguf(data, "Q4_1", shape), 0, "torch", kernels=("int4", "nbits"))]
+        lin = both[0]
+        lin.set_plans({1: ("nbits", 8), 2: ("int4", 2)})
+        x = torch.randn(4, shape[1])
+        for threads, want in ((1, lin.nbits(x)), (2, lin.dense(x)), (3, lin.dense(x))):   # 3: two's plan
+            torch.set_num_threads(threads)
+            assert torch.equal(lin(x), want.to(x.dtype)), threads
+        torch.set_num_threads(2)
+        assert torch.equal(lin(x[:2]), lin.int4(x[:2]).to(x.dtype))
+        assert lin.plan_for(1) == ("nbits", 8) and lin.plan_for(5) == ("int4", 2)
+        lin.set_plans({2: ("int4", 2)})   # the other kernel freed
+        assert lin._nbits is None and lin.plan_for(1) == ("int4", 2)
+        with pytest.raises(ValueError):
+            lin.set_plans({1: ("nbits", 8)})   # freed: not built any more
+        with pytest.raises(ValueError):
+            choose_low_bit_plans(linears, ())
+    finally:
+        torch.set_num_threads(before)
