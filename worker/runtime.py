@@ -219,6 +219,16 @@ def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] 
             setattr(model, a, other)
 
 
+def _own_thread_counts(config: WorkerConfig) -> tuple[int, ...]:
+    """The torch thread counts a pass runs on without a borrowed CPU: ``threads``, and one for
+    passes under ``parallel_min_tokens`` tokens. Native weights time their low-bit kernel on each
+    (`engine.quant.choose_low_bit_plans`). Not on a borrowed CPU's count: at start-up that CPU is
+    its owner's, loading its own model, so a timing there measures the contention (a lending
+    pair's workers took ~7 s longer to start and chose wrongly); a borrowed pass takes the plan
+    of its own count."""
+    return tuple(sorted({config.threads, 1} if config.parallel_min_tokens > 1 else {config.threads}))
+
+
 def _pass_thread_counts(config: WorkerConfig, shortest: int) -> list[int]:
     """The torch thread counts a pass that a compiled kernel serves may run on, the kernel
     taking passes of ``shortest`` tokens and more (`engine.runner.ModelRunner`): ``threads``,
@@ -243,7 +253,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
                                  gemv_copies=config.role != "prefill", compiled=not config.enforce_eager,
                                  tensor_parallel_size=config.tensor_parallel_size, threads=config.threads,
                                  tp_extension="worker.tp_rank:RankDataPlane",
-                                 low_bit_threads=tuple(_pass_thread_counts(config, 1)))
+                                 low_bit_threads=_own_thread_counts(config))
     tp = getattr(loaded.model, "tp_size", 1) > 1
     if config.weights == "auto":   # the mode load_model resolved it to (the compatibility hash's)
         config = dataclasses.replace(config, weights=loaded.weights)

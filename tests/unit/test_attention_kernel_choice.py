@@ -18,7 +18,7 @@ from engine.paged_decode import CompiledDecode
 from engine.kv_cache import KVPool
 from tests.unit.test_engine_runner import TINY, _model
 from worker.config import WorkerConfig
-from worker.runtime import _pass_thread_counts, _set_attention_kernels
+from worker.runtime import _own_thread_counts, _pass_thread_counts, _set_attention_kernels
 
 pytestmark = pytest.mark.unit
 
@@ -118,6 +118,10 @@ def test_each_kernel_is_built_alone_for_each_thread_count_its_passes_may_take(mo
     assert _pass_thread_counts(WorkerConfig(role="decode", threads=2), CompiledDecode.min_rows) == [1, 2]
     assert _pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=0),
                                CompiledDecode.min_rows) == [2]
+    # native weights time their low-bit kernel on the worker's own counts, never a borrowed CPU's
+    assert _own_thread_counts(WorkerConfig(role="decode", borrow_cpus="0", cpu_board="/tmp/board")) == (1,)
+    assert _own_thread_counts(WorkerConfig(role="decode", threads=2)) == (1, 2)
+    assert _own_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1)) == (2,)
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
