@@ -220,22 +220,23 @@ def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] 
 
 
 def _own_thread_counts(config: WorkerConfig) -> tuple[int, ...]:
-    """The torch thread counts a pass runs on without a borrowed CPU: ``threads``, and one for
-    passes under ``parallel_min_tokens`` tokens. Native weights time their low-bit kernel on each
-    (`engine.quant.choose_low_bit_plans`). Not on a borrowed CPU's count: at start-up that CPU is
-    its owner's, loading its own model, so a timing there measures the contention (a lending
-    pair's workers took ~7 s longer to start and chose wrongly); a borrowed pass takes the plan
-    of its own count."""
-    return tuple(sorted({config.threads, 1} if config.parallel_min_tokens > 1 else {config.threads}))
+    """The torch thread counts any pass runs on without a borrowed CPU (`_pass_thread_counts`
+    from one token, lending left out). Native weights time their low-bit kernel on each
+    (`engine.quant.choose_low_bit_plans`), not on a borrowed CPU's count: at start-up that CPU
+    is its owner's, loading its own model, so a timing there measures the contention
+    (docs/PERFORMANCE.md, "The low-bit kernel timed per pass thread count"); a borrowed pass
+    takes the plan of its own count."""
+    return tuple(_pass_thread_counts(config, 1, borrowing=False))
 
 
-def _pass_thread_counts(config: WorkerConfig, shortest: int) -> list[int]:
+def _pass_thread_counts(config: WorkerConfig, shortest: int, borrowing: bool = True) -> list[int]:
     """The torch thread counts a pass that a compiled kernel serves may run on, the kernel
     taking passes of ``shortest`` tokens and more (`engine.runner.ModelRunner`): ``threads``,
-    plus one for each lent CPU it may borrow, and one thread when such a pass can be under
-    ``parallel_min_tokens``. Inductor's CPU graphs are built for one thread count (torch guards
-    on it), so each kernel is built for each of its counts."""
-    counts = {config.threads + borrowed for borrowed in range(len(config.lent_cpus()) + 1)}
+    plus one for each lent CPU it may borrow (with ``borrowing``), and one thread when such a
+    pass can be under ``parallel_min_tokens``. Inductor's CPU graphs are built for one thread
+    count (torch guards on it), so each kernel is built for each of its counts."""
+    lent = len(config.lent_cpus()) if borrowing else 0
+    counts = {config.threads + borrowed for borrowed in range(lent + 1)}
     if config.parallel_min_tokens > shortest:
         counts.add(1)
     return sorted(counts)
