@@ -96,8 +96,20 @@ def image(docker_env):
     """The project image, built from a registry-free Debian bookworm base."""
     _run(["bash", str(HELPERS / "base-image.sh"), BASE_IMAGE], docker_env, 900, "base image")
     env = dict(docker_env, PDSERVE_WHEELS=str(CACHE / "wheels"))
+    before = _image_id(IMAGE, env)
     _run(["bash", str(HELPERS / "build-image.sh"), IMAGE, BASE_IMAGE], env, 1200, "project image")
+    if before and before != _image_id(IMAGE, env):
+        # The build before this one is untagged now: remove it, or every source change leaves a
+        # full image behind on the engine's disk.
+        subprocess.run(["docker", "rmi", before], env=env, capture_output=True, timeout=120)
     return IMAGE
+
+
+def _image_id(tag: str, env: dict) -> str:
+    """The image ID ``tag`` names on the engine of ``env``, or "" when there is none."""
+    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag], env=env,
+                          capture_output=True, text=True, timeout=60)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
 # -- the cluster -------------------------------------------------------------------------------
