@@ -446,17 +446,20 @@ def measure_low_bit_kernel(linears: list, reps: int = 5) -> str:
     return "nbits" if median_seconds(linears, xs, "nbits", reps) < int4 else "int4"
 
 
-def choose_low_bit_plans(linears: list, thread_counts: tuple[int, ...]) -> dict[int, tuple[str, int]]:
+def choose_low_bit_plans(linears: list, thread_counts: tuple[int, ...],
+                         known: dict[int, tuple[str, int]] | None = None) -> dict[int, tuple[str, int]]:
     """Time `Int4Linear`'s two low-bit kernels and the dense copies on each of ``thread_counts``
     torch threads (`measure_low_bit_kernel`, then `measure_max_low_bit_rows` with the faster
     kernel), give every linear the plans (`Int4Linear.set_plans`), and return them. A worker on N
     threads runs its passes of few tokens on one (`engine.runner.ModelRunner`'s
     ``parallel_min_tokens``), where the faster kernel and its row threshold can differ from N's.
-    torch's thread count is restored afterwards.
+    torch's thread count is restored afterwards. Models load through `engine.tuning`, which
+    keeps the plans on disk so that every process on a machine holds the same ones.
 
     Args:
         linears: `Int4Linear` objects built with both kernels, in forward order.
         thread_counts: the torch thread counts passes run on.
+        known: plans already chosen for some of those counts (read back from disk): used, not timed.
     Returns:
         ``{threads: (kernel, max_rows)}``.
     Raises:
@@ -465,9 +468,9 @@ def choose_low_bit_plans(linears: list, thread_counts: tuple[int, ...]) -> dict[
     if not thread_counts or min(thread_counts) < 1:
         raise ValueError(f"thread counts must be >= 1, got {thread_counts!r}")
     before = torch.get_num_threads()
-    plans = {}
+    plans = {n: plan for n, plan in (known or {}).items() if n in thread_counts}
     try:
-        for threads in sorted(set(thread_counts)):
+        for threads in sorted(set(thread_counts) - set(plans)):
             torch.set_num_threads(threads)
             kernel = measure_low_bit_kernel(linears)
             for p in linears:

@@ -31,18 +31,18 @@ from engine.linear import Linear, bf16_matmul_fast, gemv_copy_pays, resolve_back
 from engine.models.base import LayerCallback, LayerKV
 from engine.models.moe import RoutedExperts
 from engine.models.rope import RotaryEmbedding
-from engine.quant import (LOW_BIT_KERNELS, HeadLinear, Int4Linear, Int4Weight, choose_low_bit_plans,
-                          default_int8_head_rows, measure_max_low_bit_rows)
+from engine.quant import (LOW_BIT_KERNELS, HeadLinear, Int4Linear, Int4Weight, default_int8_head_rows,
+                          measure_max_low_bit_rows)
 from engine.tp import TPGroup, local_config, vocab_rows
+from engine.tuning import tuned_low_bit_plans
 from engine.weights import LayerWeights, LlamaWeights
 
 log = logging.getLogger(__name__)
 
 
 class LlamaModel:
-    """Forward pass over a `ForwardBatch` (an `engine.models.base.CausalLM`).
-
-    The model holds no per-request state: K/V live in the `KVPool` passed to `forward`.
+    """Forward pass over a `ForwardBatch` (an `engine.models.base.CausalLM`). The model holds no
+    per-request state: K/V live in the `KVPool` passed to `forward`.
 
     Building it takes the weights over: each layer's projections (and experts) are packed into
     the model's kernels and then dropped from the `LlamaWeights` passed in (set to None, as is
@@ -62,10 +62,10 @@ class LlamaModel:
             linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant.Int4Linear`) use a low-bit kernel for
                 at most this many tokens per forward pass, their dequantized copy above it. None:
-                measured on this CPU at load, over every layer's projections, and so is which
-                low-bit kernel, on each torch thread count a pass may run on, ``low_bit_threads``
-                (default: one and the load's; `engine.quant.choose_low_bit_plans`;
-                `self.low_bit_plans`); given: torch's int4 kernel.
+                timed on this CPU over every layer's projections, and so is which low-bit kernel,
+                on each torch thread count a pass may run on, ``low_bit_threads`` (default: one
+                and the load's), and kept for later loads (`engine.tuning`; `self.low_bit_plans`);
+                given: torch's int4 kernel.
             max_int8_head_rows: with 4-bit projections, the LM head runs the file's Q8_0 blocks
                 (int8 activations, `engine.mlas`) for at most this many logits rows, a dense
                 copy above it (`engine.quant.HeadLinear`). "default": this CPU's
@@ -417,12 +417,12 @@ class LlamaModel:
 
     def _choose_low_bit_rows(self, int4_rows: int | None, head_rows: int | None) -> None:
         """Set the int4 projections' kernel and rows per pass thread count and the int8 head's rows,
-        measuring those left None (`choose_low_bit_plans`, `measure_max_low_bit_rows`)."""
+        measuring those left None (`engine.tuning`, `measure_max_low_bit_rows`)."""
         int4 = [p for lin in self._layers for p in vars(lin).values() if isinstance(p, Int4Linear)]
         how = ["measured" if rows is None else "given" for rows in (int4_rows, head_rows)]
         threads = torch.get_num_threads()
         if int4_rows is None and int4:   # built with both low-bit kernels: a plan per pass thread count
-            self.low_bit_plans = choose_low_bit_plans(int4, self._low_bit_threads)
+            self.low_bit_plans, how[0] = tuned_low_bit_plans(int4, self._low_bit_threads)
         elif int4:
             self.low_bit_plans = {threads: (int4[0].kernel, int4_rows or 0)}
             for p in int4:

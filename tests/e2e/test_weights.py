@@ -1,6 +1,8 @@
 """``pdserve up --weights native``: the GGUF's 4-bit projections on both sides of the split. The
 prefill worker computes the prompt's KV with native weights, the decode worker continues with
-them, and the greedy answers equal the single-process engine's with the same weights."""
+them, and the greedy answers equal the single-process engine's with the same weights: every
+process reads the plan (which kernel runs how many rows) the first one timed (`engine.tuning`),
+so all three round alike."""
 
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ def test_native_cluster_answers_like_the_native_engine(native_engine, tmp_path):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want.text
         assert "weights native" in (cluster.log_dir / "prefill-0.log").read_text()
+        for n, (kernel, rows) in loaded.model.low_bit_plans.items():   # the reference's, read back
+            plan = f"through the {kernel} kernel up to {rows} rows on {n} thread(s) (read from "
+            for worker in ("prefill-0", "decode-0"):
+                assert plan in (cluster.log_dir / f"{worker}.log").read_text(), worker
         assert_pools_full(cluster)
     finally:
         stop_cluster(cluster)

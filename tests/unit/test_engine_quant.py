@@ -321,10 +321,11 @@ def test_measured_thresholds_apply_to_every_projection():
         assert torch.equal(wo(x), want.to(x.dtype))
 
 
-def test_threshold_is_timed_over_every_layers_projections_in_forward_order(monkeypatch):
+def test_threshold_is_timed_over_every_layers_projections_in_forward_order(monkeypatch, tmp_path):
     """`max_int4_rows` is timed on the projections a step runs, all of them in turn (their
     weights out of cache), not on one layer kept hot by the repetitions: layer 0 alone made the
     bfloat16 copies look faster than they are (engine.quant.measure_max_low_bit_rows)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # no kept plan (engine.tuning): timed
     import engine.models.llama
     import engine.quant
     from engine.loader import load_model
