@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -71,8 +71,8 @@ def plan_key(linears: list, threads: int) -> str:
 def tuned_low_bit_plans(linears: list, thread_counts: tuple[int, ...]) -> tuple[dict[int, tuple[str, int]], str]:
     """Give ``linears`` their plan for each of ``thread_counts`` (`Int4Linear.set_plans`): the
     kept one where `tuning_dir` holds it, else timed now (`engine.quant.choose_low_bit_plans`) and
-    kept. Without a usable directory (it cannot be made or written) the plans are timed and used,
-    with a warning that they are not kept.
+    kept. Without a usable directory (it or its lock file cannot be made or opened) the plans are
+    timed and used, with a warning that they are not kept; one that cannot be written to, the same.
 
     Args:
         linears: `engine.quant.Int4Linear` objects built with both low-bit kernels, in forward order.
@@ -87,26 +87,26 @@ def tuned_low_bit_plans(linears: list, thread_counts: tuple[int, ...]) -> tuple[
     if not counts or counts[0] < 1:
         raise ValueError(f"thread counts must be >= 1, got {thread_counts!r}")
     directory = tuning_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        log.warning("low-bit plans timed and not kept: %s cannot be made (%s)", directory, e)
-        return choose_low_bit_plans(linears, counts), "timed, not kept"
     files = {n: directory / f"low-bit-{plan_key(linears, n)}.json" for n in counts}
-    with _locked(directory / ".lock"):
+    with ExitStack() as held:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_locked(directory / ".lock"))
+        except OSError as e:
+            log.warning("low-bit plans timed and not kept: %s cannot be used (%s)", directory, e)
+            return choose_low_bit_plans(linears, counts), "timed, not kept"
         known = {n: plan for n in counts if (plan := _read(files[n], n)) is not None}
         plans = choose_low_bit_plans(linears, counts, known=known)
-        for n in counts:
-            if n not in known:
-                _write(files[n], n, plans[n])
-    timed = [n for n in counts if n not in known]
+        timed = [n for n in counts if n not in known]
+        kept = all([_write(files[n], n, plans[n]) for n in timed])
     how = f"read from {directory}" if not timed else (
-        f"timed on {', '.join(map(str, timed))} thread(s) and kept in {directory}")
+        f"timed on {', '.join(map(str, timed))} thread(s) and {'kept in' if kept else 'not kept:'} {directory}")
     return plans, how
 
 
 @contextmanager
 def _locked(path: Path):
+    """Hold an exclusive ``flock`` on ``path`` (made if absent). Raises OSError: it cannot be opened."""
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)   # released on close, or by the kernel if this process dies
         yield
@@ -131,11 +131,14 @@ def _read(path: Path, threads: int) -> tuple[str, int] | None:
     return kernel, rows
 
 
-def _write(path: Path, threads: int, plan: tuple[str, int]) -> None:
+def _write(path: Path, threads: int, plan: tuple[str, int]) -> bool:
+    """Keep ``plan`` in ``path``; False (with a warning) where it cannot be written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps({"threads": threads, "kernel": plan[0], "max_rows": plan[1]}) + "\n")
         os.replace(tmp, path)   # readers see the old file or the whole new one
+        return True
     except OSError as e:
         log.warning("low-bit plan for %d thread(s) not kept in %s: %s", threads, path, e)
         tmp.unlink(missing_ok=True)
+        return False

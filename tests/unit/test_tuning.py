@@ -86,12 +86,27 @@ def test_a_file_that_cannot_be_read_back_is_named_timed_again_and_replaced(cache
     assert json.loads(_file(_linears(), 1).read_text())["kernel"] == plans[1][0]
 
 
-def test_without_a_usable_directory_the_plans_are_timed_and_the_log_says_so(tmp_path, monkeypatch, caplog):
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file"))   # no directory can be made in it
+@pytest.mark.parametrize("blocked", ["directory", "lock"])
+def test_without_a_usable_directory_the_plans_are_timed_and_the_log_says_so(tmp_path, monkeypatch, caplog, blocked):
+    if blocked == "directory":
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file"))   # no directory can be made in it
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        (tmp_path / tuning.SUBDIR / ".lock").mkdir(parents=True)   # the lock cannot be opened
     with caplog.at_level(logging.WARNING, logger="engine.tuning"):
         plans, how = tuning.tuned_low_bit_plans(_linears(), (1,))
-    assert how == "timed, not kept" and set(plans) == {1} and "cannot be made" in caplog.text
+    assert how == "timed, not kept" and set(plans) == {1} and "cannot be used" in caplog.text
+    assert not list(tmp_path.rglob("low-bit-*.json"))
+
+
+def test_a_plan_that_cannot_be_written_is_used_and_the_log_says_it_was_not_kept(cache, caplog):
+    cache.mkdir(parents=True)
+    _file(_linears(), 1).mkdir()   # the file's name taken by a directory: the rename fails
+    with caplog.at_level(logging.WARNING, logger="engine.tuning"):
+        plans, how = tuning.tuned_low_bit_plans(_linears(), (1,))
+    assert set(plans) == {1} and how == f"timed on 1 thread(s) and not kept: {cache}"
+    assert "not kept in" in caplog.text and not list(cache.glob(".*.tmp"))
 
 
 def test_loads_together_time_once_the_later_one_reads_what_the_first_kept(cache):
