@@ -190,7 +190,7 @@ LOW_BIT_TOLERANCE = {"int4": (2e-3, 0.02, 0.1, 0.95), "nbits": (5e-3, 0.04, 0.1,
 
 
 @pytest.mark.parametrize("kernel", ["int4", "nbits"])
-def test_native_low_bit_kernels_match_the_dequantized_reference(smollm, reference, kernel, monkeypatch):
+def test_native_low_bit_kernels_match_the_dequantized_reference(smollm, reference, kernel, monkeypatch, tmp_path):
     """Native mode's low-bit kernels (`engine.quant.Int4Linear`: what decode steps of few rows
     run; the teacher-forced passes of the test above take the dense copies), each forced in turn
     where the model would time both at load and keep the faster, teacher-forced against fp32 mode
@@ -207,6 +207,7 @@ def test_native_low_bit_kernels_match_the_dequantized_reference(smollm, referenc
     if not int4_kernel_available():
         pytest.skip(f"torch {torch.__version__} has no working CPU int4 kernel")
     monkeypatch.setattr(engine.quant, "measure_low_bit_kernel", lambda linears: kernel)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # no kept plan (engine.tuning): timed, so forced
     native = load_model(weights="native")
     assert native.model.low_bit_kernel == kernel
     linears = [p for lin in native.model._layers for p in vars(lin).values() if isinstance(p, Int4Linear)]
