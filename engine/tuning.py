@@ -48,9 +48,10 @@ def tuning_dir() -> Path:
 def plan_key(linears: list, threads: int) -> str:
     """The key (hex, 32 characters) of the plan for ``linears`` (`engine.quant.Int4Linear`, in
     forward order) on ``threads`` torch threads: SHA-256 of the thread count, each linear's
-    ``(out_features, in_features)`` and dense dtype, torch's and onnxruntime's versions, the CPU's
-    model and flags (as `engine.aot_kernel.package_key` reads them), and the bytes of `engine.quant`,
-    `engine.mlas` and this module."""
+    ``(out_features, in_features)``, the dense copies' dtype (`engine.quant.dense_dtype`),
+    torch's and onnxruntime's versions, the CPU's model and flags (as
+    `engine.aot_kernel.package_key` reads them), and the bytes of `engine.quant`, `engine.mlas`
+    and this module."""
     try:
         import onnxruntime
 
@@ -60,7 +61,8 @@ def plan_key(linears: list, threads: int) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"threads": threads, "torch": torch.__version__, "onnxruntime": ort,
                          "cpu": aot_kernel._cpu_identity(),
-                         "linears": [(p.out_features, p.in_features, str(p._dense_dtype)) for p in linears]},
+                         "dense": str(quant.dense_dtype()),
+                         "linears": [(p.out_features, p.in_features) for p in linears]},
                         sort_keys=True).encode())
     for module in (quant, mlas):
         h.update(Path(module.__file__).read_bytes())
@@ -84,8 +86,6 @@ def tuned_low_bit_plans(linears: list, thread_counts: tuple[int, ...]) -> tuple[
         ValueError: no thread count, or one below 1 (`choose_low_bit_plans`).
     """
     counts = sorted(set(thread_counts))
-    if not counts or counts[0] < 1:
-        raise ValueError(f"thread counts must be >= 1, got {thread_counts!r}")
     directory = tuning_dir()
     files = {n: directory / f"low-bit-{plan_key(linears, n)}.json" for n in counts}
     with ExitStack() as held:
