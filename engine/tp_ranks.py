@@ -123,6 +123,7 @@ class TensorParallelModel:
         self._replies: dict[int, dict[int, object]] = {}
         self._seq = itertools.count()
         self._cond = threading.Condition()
+        self._failing = threading.Lock()   # `_fail`: one thread gives the group up, the others wait
         self._gone: set[int] = set()
         self._closing = False
         self._readers = [threading.Thread(target=self._read_events, args=(r, conn), name=f"tp-events-r{r}",
@@ -265,14 +266,21 @@ class TensorParallelModel:
             raise self._fail(f"sending {name!r} to the ranks failed: {e}") from e
 
     def _fail(self, why: str) -> TensorParallelError:
-        if self._lost is None:
-            time.sleep(0.05)   # let an exiting rank's code be seen
-            dead = [f"rank {r} exit code {p.poll()}" for r, p in enumerate(self.ranks, 1) if p.poll() is not None]
-            self._lost = f"{why} ({', '.join(dead) or 'no rank exited yet'})"
-            log.error("tensor-parallel group lost: %s", self._lost)
-            _reap(self.ranks, 0.0)
-            if self.on_lost is not None:
-                self.on_lost(self._lost)
+        """Give the group up (once, whichever thread finds the loss first: a rank's events
+        thread or a pass): the ranks left are killed and reaped before `lost` says so, so no
+        caller learns of the loss while a rank of the group still runs; a second caller waits
+        for the first. Returns the error to raise."""
+        first = False
+        with self._failing:
+            if self._lost is None:
+                time.sleep(0.05)   # let an exiting rank's code be seen
+                dead = [f"rank {r} exit code {p.poll()}" for r, p in enumerate(self.ranks, 1) if p.poll() is not None]
+                lost = f"{why} ({', '.join(dead) or 'no rank exited yet'})"
+                log.error("tensor-parallel group lost: %s", lost)
+                _reap(self.ranks, 0.0)
+                self._lost, first = lost, True
+        if first and self.on_lost is not None:
+            self.on_lost(self._lost)
         return TensorParallelError(self._lost)
 
 

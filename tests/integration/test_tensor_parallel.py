@@ -136,7 +136,9 @@ def _comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
-def test_close_stops_the_ranks_and_a_killed_rank_fails_the_next_pass(checkpoints):
+def test_close_stops_the_ranks_and_a_killed_rank_fails_the_next_pass(checkpoints, monkeypatch):
+    from engine import tp_ranks
+
     path = checkpoints["qwen2"]
     loaded = load_model(path, weights="fp32", tensor_parallel_size=2, threads=1)
     ranks = list(loaded.model.ranks)
@@ -150,8 +152,18 @@ def test_close_stops_the_ranks_and_a_killed_rank_fails_the_next_pass(checkpoints
     batch = ForwardBatch.build([SeqChunk(list(range(100, 120)), 0, table)], BLOCK)
     loaded.model.forward(batch, pool)
     victim = loaded.model.ranks[1]
+    real_reap = tp_ranks._reap
+
+    def slow_reap(ranks, timeout_s):   # a fault injected: the ranks left outlive the loss a while
+        time.sleep(0.5)
+        real_reap(ranks, timeout_s)
+
+    monkeypatch.setattr(tp_ranks, "_reap", slow_reap)
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait(10)
+    deadline = time.monotonic() + 10   # the rank's events thread finds the group lost before a pass does,
+    while loaded.model.lost is None and time.monotonic() < deadline:   # as it did in a CI run: the rest
+        time.sleep(0.01)                                                # must be gone once it says so
     with pytest.raises(TensorParallelError, match="rank 2 exit code -9"):
         loaded.model.forward(batch, pool)
     assert all(p.poll() is not None for p in loaded.model.ranks)   # the group goes as a whole
