@@ -219,7 +219,8 @@ class TensorParallelModel:
                     self._command("stop", None)
                 except TensorParallelError:
                     pass
-                self._lost = "closed"
+                with self._failing:   # a loss `_fail` recorded meanwhile keeps its reason
+                    self._lost = self._lost or "closed"
         _reap(self.ranks, timeout_s)
         for t in self._readers:
             t.join(timeout=5)

@@ -161,9 +161,11 @@ def test_close_stops_the_ranks_and_a_killed_rank_fails_the_next_pass(checkpoints
     monkeypatch.setattr(tp_ranks, "_reap", slow_reap)
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait(10)
-    deadline = time.monotonic() + 10   # the rank's events thread finds the group lost before a pass does,
-    while loaded.model.lost is None and time.monotonic() < deadline:   # as it did in a CI run: the rest
-        time.sleep(0.01)                                                # must be gone once it says so
+    # the rank's events thread finds the group lost before a pass does (as in a CI run): the
+    # ranks left must be gone once the group says it is lost
+    deadline = time.monotonic() + 10
+    while loaded.model.lost is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     with pytest.raises(TensorParallelError, match="rank 2 exit code -9"):
         loaded.model.forward(batch, pool)
     assert all(p.poll() is not None for p in loaded.model.ranks)   # the group goes as a whole
