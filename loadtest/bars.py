@@ -1,7 +1,9 @@
 """``python -m loadtest.bars``: the engine issue's acceptance bars, checked on `loadtest.peers` results.
 
-The engine issue ("Engine speed: catch vLLM's CPU backend on the same cores") is met when one run
-on one machine, every server alone on the same two cores, gives (`BARS`):
+The served bars of the engine issue ("Engine speed: catch vLLM's CPU backend on the same cores";
+its others, greedy equality with compilation on and off, the warm restart and the kernel's tests,
+are tests and benchmarks of their own) are met when one run on one machine, every server alone on
+the same two cores, gives (`BARS`):
 
 - `pdserve up` as it starts by default, 32 in flight: output tok/s >= 1.0x the reference's, TPOT
   p50 <= 1.0x, TTFT p99 <= 1.0x; one request in flight: TPOT p50 <= 1.0x, TTFT p50 <= 1.5x;
