@@ -38,6 +38,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loadtest.peer_report import _fmt
 from loadtest.report import write_json
 
 MAIN_MIX = {"input_len": 256, "range_ratio": 0.5, "output_len": 64, "seed": 7,
@@ -79,8 +80,10 @@ BARS = (
 
 @dataclass
 class Verdict:
-    """A bar's outcome: the two servers' values (None where missing), ``ratio`` = value / other,
-    ``met`` (False also when not measured) and, when not measured, ``reason``."""
+    """A bar's outcome: the two servers' values (None where missing) in the metric's unit
+    (milliseconds for TTFT / TPOT, output tokens per second for throughput: `loadtest.metrics`'
+    result fields), ``ratio`` = value / other, ``met`` (False also when not measured) and, when
+    not measured, ``reason``."""
     bar: str
     server: str
     value: float | None
@@ -156,11 +159,10 @@ def table(verdicts: list[Verdict], reference: str = "vllm") -> list[str]:
     lines = ["| bar | server | value | against | its value | ratio | target | met |",
              "|---|---|---|---|---|---|---|---|"]
     for v in verdicts:
-        fmt = (lambda x: "" if x is None else f"{x:.1f}")
         met = "yes" if v.met else ("no" if not v.reason else f"not measured: {v.reason}")
         ratio = "" if v.ratio is None else f"{v.ratio:.2f}x"
-        lines.append(f"| {v.bar} | {v.server} | {fmt(v.value)} | {v.against} | {fmt(v.other)} | {ratio} | "
-                     f"{v.target} | {met} |")
+        lines.append(f"| {v.bar} | {v.server} | {_fmt(v.value, '.1f')} | {v.against} | "
+                     f"{_fmt(v.other, '.1f')} | {ratio} | {v.target} | {met} |")
     if reference != "vllm":
         lines += ["", f"The reference here is {reference!r}, not vLLM: these are not the engine issue's bars."]
     return lines
