@@ -7,8 +7,9 @@ neighbour, and with threads chosen per pass (`engine.runner.ModelRunner`'s ``par
 Each row times one kind of pass of the default model through a `ModelRunner` (median of
 ``--reps``, after a warm-up): a prefill chunk of 256 prompt tokens, and decode steps of 1, 8 and
 32 sequences with 256-token contexts, through the attention kernels a CPU worker runs
-(``--attention-backend auto``, built before the timing for 1 and 2 threads: `use_worker_kernels`)
-or SDPA over gathered K/V (``grouped``). Columns, side by side in one run:
+(``--attention-backend auto``, built before the timing for 1 and 2 threads, the prompt kernel
+kept for the lengths it beat SDPA at on one thread: `use_worker_kernels`) or SDPA over gathered
+K/V (``grouped``). Columns, side by side in one run:
 
 - ``1t``: one thread;
 - ``2t``: two threads, the machine otherwise idle;
@@ -49,6 +50,7 @@ from engine.glue import CompiledGlue
 from engine.kv_cache import KVPool
 from engine.loader import load_model, make_pool
 from engine.paged_decode import CompiledDecode
+from engine.prefill_choice import choose_prefill_lengths
 from engine.runner import ModelRunner
 from worker.config import WorkerConfig
 from worker.runtime import warm_kernel_alone
@@ -93,20 +95,27 @@ def time_passes(runner: ModelRunner, pool: KVPool, reps: int, context: int = CON
     return out
 
 
-def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2), glue: bool = True) -> float:
+def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2), glue: bool = True,
+                       prompt_threads: int | None = 1) -> float:
     """Give ``model`` the compiled kernels a CPU decode worker runs by default
     (``--attention-backend auto``: `CompiledDecode` for decode rows, `CompiledPrefill` for prompt
     chunks, and with ``glue`` where the model takes it `CompiledGlue` for the operators between
     the matmuls), each built alone for every torch thread count in ``counts`` as a worker builds
     them (`worker.runtime.warm_kernel_alone`), the decode kernel's ``min_rows`` measured as a
     worker measures it (`worker.runtime`; its passes under ``parallel_min_tokens`` rows on one
-    thread, as a worker's by default); returns the seconds the builds took. Raises inductor's
+    thread, as a worker's by default), and with ``prompt_threads`` the prompt kernel timed
+    against SDPA on that many threads and kept only for the chunk lengths it won, as a worker of
+    that many threads keeps it (`engine.prefill_choice`; None: kept from its default length, as
+    ``--attention-backend compiled``); returns the seconds the builds took. Raises inductor's
     errors where it cannot build here."""
     kinds = [("decode_kernel", CompiledDecode), ("prefill_kernel", CompiledPrefill)]
     if glue and model.glue_applies():
         kinds.append(("glue", CompiledGlue))
     seconds = sum(warm_kernel_alone(model, pool, attr, kind(), counts) for attr, kind in kinds)
     model.measure_decode_rows(pool, lambda rows: 1)
+    if prompt_threads is not None:
+        choice = choose_prefill_lengths(model, model.prefill_kernel, *pool.layer_view(0), prompt_threads)
+        print(f"prompt attention: {choice}", flush=True)
     return seconds
 
 

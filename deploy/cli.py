@@ -262,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured: docs/PERFORMANCE.md, 'Decode attention through the block table' and "
                         "'Prefill attention through FlexAttention'), grouped (K/V gathered per group and "
                         "attended by SDPA; prompts by SDPA), or auto (compiled where inductor can build it, "
-                        "else grouped with a warning); default: auto at tensor parallel size 1, grouped with TP")
+                        "else grouped with a warning; the prompt kernel kept only for the lengths it beats SDPA at, "
+                        "timed at start-up, engine.prefill_choice); default: auto at tensor parallel size 1, "
+                        "grouped with TP")
     u.add_argument("--kv-send", default="auto", choices=["auto", "layer", "pass"],
                    help="when prefill workers post a prompt's KV writes: layer (each layer's as it "
                         "finishes, overlapping the rest of the pass), pass (all once the pass ends), or "

@@ -360,6 +360,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
         if ctx == n and not windowed and softcap is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
+        elif not windowed and softcap is None and q.device.type == "cpu":
+            o = _causal_after_context(qs, ks, vs, scale)
         else:
             rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             cols = torch.arange(ctx, device=q.device)[None, :]
@@ -403,6 +405,22 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: i
     dim]``) through its ``blocks``, as ``[length, kv_heads, dim]`` (a view of one gathered copy)."""
     per_block = pool.transpose(0, 1).index_select(1, blocks[:-(-length // block_size)])
     return per_block.view(pool.shape[1], -1, pool.shape[3])[:, :length].transpose(0, 1)
+
+
+def _causal_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention of ``q`` ``[1, heads, n, d]``, the last ``n`` of ``ctx`` positions, over
+    ``k``, ``v`` ``[1, kv_heads, ctx, d]`` (query head ``h`` reads KV head ``h // (heads /
+    kv_heads)``), on the CPU: the cached context's ``ctx - n`` keys, all visible, and the chunk's
+    own ``n`` under the causal mask as two calls of torch's flash kernel, merged by their
+    log-sum-exps (the merge of attention states of FlashInfer and vLLM's ``merge_attn_states``).
+    One call under an explicit ``[n, ctx]`` mask computes every score of the masked triangle
+    too; the causal call skips its blocks. Returns ``[1, heads, n, d]`` in ``q``'s dtype."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    past = k.shape[2] - q.shape[2]
+    o_ctx, lse_ctx = flash(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
+    o_own, lse_own = flash(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse_ctx, lse_own)
+    return o_ctx * torch.exp(lse_ctx - lse)[..., None] + o_own * torch.exp(lse_own - lse)[..., None]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -85,8 +85,9 @@ class WorkerConfig:
             `engine.flex_prefill.CompiledPrefill`; both AOTInductor packages, loaded from disk or
             built at start-up (`engine.aot_kernel`), their time logged;
             needs a C++ compiler for inductor: refused to start without one), or "auto"
-            (compiled where it builds, else grouped with a warning saying why; ``pdserve up``'s
-            default). CUDA pools (Triton) ignore it.
+            (compiled where it builds, else grouped with a warning saying why, the prompt kernel
+            kept only for the chunk lengths it beat SDPA at, timed at start-up by
+            `engine.prefill_choice`; ``pdserve up``'s default). CUDA pools (Triton) ignore it.
         parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
             thread (a pass of a few rows gains little from a second thread and waits at each
             operator's barrier for a thread another process took off a shared core), longer

@@ -29,6 +29,7 @@ from engine.kv_cache import KVPool
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
+from engine.prefill_choice import choose_prefill_lengths
 from engine.glue import CompiledGlue
 from engine.paged_decode import CompiledDecode
 from engine.runner import prefix_caching_conflict
@@ -146,7 +147,8 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     the matmuls (`engine.glue.CompiledGlue`) where the model's layers take them (``glue_applies``).
     Each is loaded from the disk cache or built now (`engine.aot_kernel`), alone (the others
     detached during its warm-up), once per thread count a pass it serves may run on
-    (`_pass_thread_counts`), its time logged. When inductor
+    (`_pass_thread_counts`), its time logged; under "auto" the prompt kernel is then timed
+    against SDPA and kept for the chunk lengths it wins (`engine.prefill_choice`). When inductor
     cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming
     the cause) and "auto" logs a warning with the cause and keeps SDPA / the grouped path. CUDA
     pools (Triton), compiled layers (``--no-enforce-eager``) and "grouped" change nothing."""
@@ -176,6 +178,8 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
                  len(packages) - built, aot_cache_dir())
         if attr == "decode_kernel":
             _measure_decode_rows(config, model, pool, kernel)
+        elif attr == "prefill_kernel" and config.attention_backend == "auto":   # timed: it may lose here
+            log.info("prompt attention: %s", choose_prefill_lengths(model, kernel, *pool.layer_view(0), config.threads))
 
 
 def _measure_decode_rows(config: WorkerConfig, model, pool: KVPool, kernel: CompiledDecode) -> None:

@@ -7,6 +7,7 @@ compiler would)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -83,8 +84,11 @@ def test_auto_and_compiled_build_the_kernels_and_grouped_does_not(model_and_pool
     model.prefill_kernel = None
     with caplog.at_level(logging.INFO, logger="worker.runtime"):
         _set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto"), model, pool)
-    assert isinstance(model.decode_kernel, CompiledDecode) and isinstance(model.prefill_kernel, CompiledPrefill)
+    assert isinstance(model.decode_kernel, CompiledDecode)
     assert "decode attention: compiled" in caplog.text and "prompt attention: compiled" in caplog.text
+    # auto then times the prompt kernel against SDPA: kept from a length up, or dropped (next test)
+    assert "prompt attention: compiled from" in caplog.text or (
+        model.prefill_kernel is None and "prompt attention: SDPA at every length" in caplog.text)
     assert pool.allocator.num_free == pool.allocator.num_blocks   # the warm-up gave its blocks back
 
 
@@ -203,3 +207,63 @@ def test_a_decode_worker_sets_its_kernels_min_rows_by_timing_it_on_each_rows_thr
     assert {(rows, threads) for rows, threads in kernel.calls if rows < 4} == {(1, 1), (2, 1), (3, 2)}
     assert sorted({key[0] for key in kernel.packages}) == [1, 2]   # no package built by the timing
     assert torch.get_num_threads() == before and pool.allocator.num_free == pool.allocator.num_blocks
+
+
+def test_the_prompt_kernel_is_kept_from_the_fewest_tokens_it_was_faster_from():
+    """`kernel_from`: the fewest timed tokens from which the kernel was faster at every longer
+    length; slower (or tied) at the longest, or nothing timed: None (SDPA everywhere)."""
+    from engine.prefill_choice import kernel_from
+
+    fast, slow = (1.0, 2.0), (2.0, 1.0)
+    assert kernel_from({128: fast, 256: fast, 512: fast}) == 128
+    assert kernel_from({128: slow, 256: fast, 512: fast}) == 256
+    assert kernel_from({128: fast, 256: slow, 512: fast}) == 512
+    assert kernel_from({128: fast, 256: fast, 512: slow}) is None
+    assert kernel_from({128: fast, 512: (1.0, 1.0)}) is None and kernel_from({}) is None
+
+
+class _SlowPrefill(CompiledPrefill):
+    """Injected fault: the real prompt kernel, made slower than SDPA by a sleep in each call."""
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(0.004)
+        return super().__call__(*args, **kwargs)
+
+
+def _slow_sdpa(real):
+    """Injected fault: torch's SDPA made slower than the kernel by a sleep in each call."""
+
+    def sdpa(*args, **kwargs):
+        time.sleep(0.004)
+        return real(*args, **kwargs)
+    return sdpa
+
+
+@pytest.mark.parametrize("slower", ["kernel", "sdpa"])
+def test_auto_keeps_the_prompt_kernel_only_where_it_was_timed_faster(model_and_pool, monkeypatch, caplog, slower):
+    """Under ``--attention-backend auto`` a worker times its prompt kernel against SDPA at
+    `MEASURE_LENGTHS` on its pass thread count: a kernel slower at every length is dropped (the
+XX
+    from its default length; "compiled" keeps it untimed. The thread count is restored."""
+    from engine.prefill_choice import MEASURE_LENGTHS
+
+    model, pool = model_and_pool
+    if slower == "kernel":
+        monkeypatch.setattr("worker.runtime.CompiledPrefill", _SlowPrefill)
+    else:
+        monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
+                            _slow_sdpa(torch.nn.functional.scaled_dot_product_attention))
+    before = torch.get_num_threads()
+    with caplog.at_level(logging.INFO, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto", threads=2), model, pool)
+    assert torch.get_num_threads() == before
+    timed = [m for m in caplog.messages if m.startswith("prompt attention: ") and "measured on 2 thread(s)" in m]
+    assert len(timed) == 1 and all(f"{n} tokens " in timed[0] for n in MEASURE_LENGTHS)
+    if slower == "kernel":
+        assert model.prefill_kernel is None and "SDPA at every length" in timed[0]
+    else:
+        assert model.prefill_kernel.min_tokens == CompiledPrefill.min_tokens
+        assert f"compiled from {CompiledPrefill.min_tokens} tokens up" in timed[0]
+    model.prefill_kernel = None
+    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="compiled"), model, pool)
+    assert model.prefill_kernel.min_tokens == CompiledPrefill.min_tokens

@@ -32,7 +32,7 @@ def test_time_passes_times_each_pass_kind_and_frees_its_blocks():
 def test_the_timed_decode_steps_run_the_workers_compiled_decode_kernel():
     model, pool = _model(), KVPool(TINY, CacheConfig(block_size=4, num_blocks=64))
     threads = torch.get_num_threads()
-    assert use_worker_kernels(model, pool, counts=(1,)) > 0
+    assert use_worker_kernels(model, pool, counts=(1,), prompt_threads=None) > 0
     assert torch.get_num_threads() == threads
     assert model.prefill_kernel is not None
     calls = []

@@ -236,6 +236,38 @@ def test_padded_prefill_equals_one_call_per_prompt():
     assert batch.to(torch.device("meta")).prefill_pad is not None and batch.to(torch.device("cpu")).prefill_pad is None
 
 
+def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
+    """A prompt chunk after cached context (a prefix-cache hit, a later chunk of a long prompt) on
+    the CPU: the context's keys unmasked and the chunk's own under the causal mask, two flash calls
+    merged by their log-sum-exps (`engine.attention._causal_after_context`), equal the reference:
+    the whole context gathered from the pool, repeated per query head, under the explicit mask
+    (grouped-query heads, contexts of one block, a partial block, many blocks; a one-token chunk
+    among them; scores scaled so that a wrong merge weight shows)."""
+    import engine.attention as attention
+
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, block = 6, 2, 16, 8
+    pool_k = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    pool_v = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    tables = torch.randperm(40, generator=gen).view(4, 10).tolist()
+    cases = [(30, 8), (12, 5), (2, 61), (1, 20)]   # (chunk tokens, cached tokens before it)
+    batch = ForwardBatch.build([SeqChunk([1] * n, past, t) for (n, past), t in zip(cases, tables)], block)
+    rows = sum(n for n, _ in cases)
+    q = torch.randn(rows, heads, dim, generator=gen) * 4
+    out = attention.paged_attention(q, None, None, pool_k, pool_v, batch, block)
+    first = 0
+    for (n, past), table in zip(cases, tables):
+        ctx = past + n
+        slots = [table[p // block] * block + p % block for p in range(ctx)]
+        k, v = (pool.transpose(1, 2).reshape(-1, kv_heads, dim)[slots].float().transpose(0, 1)
+                .repeat_interleave(heads // kv_heads, 0) for pool in (pool_k, pool_v))
+        scores = q[first:first + n].transpose(0, 1) @ k.transpose(1, 2) / dim ** 0.5   # [heads, n, ctx]
+        hidden = torch.arange(ctx)[None, :] > torch.arange(past, ctx)[:, None]
+        ref = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v        # [heads, n, dim]
+        torch.testing.assert_close(out[first:first + n], ref.transpose(0, 1).reshape(n, -1), rtol=1e-5, atol=1e-5)
+        first += n
+
+
 def _indexed_case(block: int, gen: torch.Generator):
     """A decode batch over a head-major bfloat16 pool (ragged contexts, scattered tables,
     grouped-query heads 6 over 2): ``(q, pool_k, pool_v, batch, lens)``."""
