@@ -9,8 +9,11 @@ Per prompt chunk of ``length`` tokens after ``cached`` tokens of context, SmolLM
 query heads over 3 KV heads, head_dim 64, float32 queries, bfloat16 K/V as a pool holds them),
 median milliseconds of:
 
-- ``sdpa``: ``F.scaled_dot_product_attention`` under the causal mask (float32 K/V, ``enable_gqa``),
-  the path of chunks shorter than `CompiledPrefill.min_tokens`;
+- ``sdpa``: torch's flash SDPA as `engine.attention.paged_attention` calls it without the kernel
+  (float32 K/V, grouped-query heads): causal for a fresh chunk; after cached context, the context
+  unmasked and the chunk causal, merged (`engine.attention.causal_after_context`);
+- ``sdpa, masked`` (with ``--cached``): one SDPA call under the explicit ``[n, ctx]`` causal mask,
+  the path of chunks after cached context before that merge;
 - ``flex, template``: `CompiledPrefill` built with inductor's FlexAttention template as it is, its
   score micro-GEMM (Q K^T) one query row by 16 keys;
 - ``flex``: `CompiledPrefill` as a worker builds it, the score micro-GEMM with the register block
@@ -34,21 +37,25 @@ import torch.nn.functional as F
 
 import engine.flex_prefill as flex_prefill
 from bench.common import arg_parser, median_time, write_json
+from engine.attention import causal_after_context
 from engine.flex_prefill import CompiledPrefill
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool = False) -> torch.Tensor:
     """``q`` ``[n, heads, dim]``, the last ``n`` of ``ctx`` positions, over ``k``, ``v`` ``[ctx,
-    kv_heads, dim]`` (float32), causal -> ``[n, heads * dim]``."""
+    kv_heads, dim]`` (float32), causal -> ``[n, heads * dim]``; after cached context as the
+    serving path attends (`causal_after_context`), or with ``masked`` as one call under the mask."""
     n, ctx = q.shape[0], k.shape[0]
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
     if n == ctx:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-    else:
+    elif masked:
         mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+    else:
+        o = causal_after_context(qt, kt, vt, None)
     return o[0].transpose(0, 1).reshape(n, -1)
 
 
@@ -92,8 +99,9 @@ def main(argv=None) -> dict:
             k, v = (torch.randn(args.cached + n, KV_HEADS, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
             kf, vf = k.float(), v.float()
             want = sdpa(q, kf, vf)
+            masked_s = median_time(lambda: sdpa(q, kf, vf, masked=True), args.reps) if args.cached else None
             row = {"length": n, "cached": args.cached,
-                   "sdpa_s": median_time(lambda: sdpa(q, kf, vf), args.reps),
+                   "sdpa_s": median_time(lambda: sdpa(q, kf, vf), args.reps), "sdpa_masked_s": masked_s,
                    "flex_template_s": median_time(lambda: template(q, k, v), args.reps),
                    "flex_s": median_time(lambda: ours(q, k, v), args.reps),
                    "template_max_abs_diff": float((template(q, k, v) - want).abs().max()),
@@ -104,13 +112,14 @@ def main(argv=None) -> dict:
     blocks = flex_prefill.QK_REGISTER_BLOCK
     print(f"builds: template {template_build_s:.1f} s, flex {build_s:.1f} s; register blocks {blocks}; "
           f"{args.threads} thread(s); torch {torch.__version__}")
-    print("| length | cached | SDPA ms | flex, template ms | flex ms | flex vs template | max abs diff "
-          "(template / flex) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| length | cached | SDPA ms | SDPA, masked ms | flex, template ms | flex ms | flex vs template | "
+          "max abs diff (template / flex) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['length']} | {r['cached']} | {r['sdpa_s'] * 1e3:.3f} | {r['flex_template_s'] * 1e3:.3f} | "
-              f"{r['flex_s'] * 1e3:.3f} | {r['flex_template_s'] / r['flex_s']:.2f}x | "
-              f"{r['template_max_abs_diff']:.1e} / {r['max_abs_diff']:.1e} |")
+        masked = "-" if r["sdpa_masked_s"] is None else f"{r['sdpa_masked_s'] * 1e3:.3f}"
+        print(f"| {r['length']} | {r['cached']} | {r['sdpa_s'] * 1e3:.3f} | {masked} | "
+              f"{r['flex_template_s'] * 1e3:.3f} | {r['flex_s'] * 1e3:.3f} | "
+              f"{r['flex_template_s'] / r['flex_s']:.2f}x | {r['template_max_abs_diff']:.1e} / {r['max_abs_diff']:.1e} |")
     result = {"threads": args.threads, "reps": args.reps, "register_blocks": {str(w): list(b) for w, b in blocks.items()},
               "template_build_s": template_build_s, "build_s": build_s, "rows": rows}
     if args.json:

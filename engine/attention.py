@@ -361,7 +361,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if ctx == n and not windowed and softcap is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
         elif not windowed and softcap is None and q.device.type == "cpu":
-            o = _causal_after_context(qs, ks, vs, scale)
+            o = causal_after_context(qs, ks, vs, scale)
         else:
             rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             cols = torch.arange(ctx, device=q.device)[None, :]
@@ -407,7 +407,7 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor, block_size: int, length: i
     return per_block.view(pool.shape[1], -1, pool.shape[3])[:, :length].transpose(0, 1)
 
 
-def _causal_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+def causal_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Causal attention of ``q`` ``[1, heads, n, d]``, the last ``n`` of ``ctx`` positions, over
     ``k``, ``v`` ``[1, kv_heads, ctx, d]`` (query head ``h`` reads KV head ``h // (heads /
     kv_heads)``), on the CPU: the cached context's ``ctx - n`` keys, all visible, and the chunk's

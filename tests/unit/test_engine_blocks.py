@@ -239,7 +239,7 @@ def test_padded_prefill_equals_one_call_per_prompt():
 def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
     """A prompt chunk after cached context (a prefix-cache hit, a later chunk of a long prompt) on
     the CPU: the context's keys unmasked and the chunk's own under the causal mask, two flash calls
-    merged by their log-sum-exps (`engine.attention._causal_after_context`), equal the reference:
+    merged by their log-sum-exps (`engine.attention.causal_after_context`), equal the reference:
     the whole context gathered from the pool, repeated per query head, under the explicit mask
     (grouped-query heads, contexts of one block, a partial block, many blocks; a one-token chunk
     among them; scores scaled so that a wrong merge weight shows)."""
