@@ -420,7 +420,7 @@ def causal_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     o_ctx, lse_ctx = flash(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
     o_own, lse_own = flash(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
     lse = torch.logaddexp(lse_ctx, lse_own)
-    return o_ctx * torch.exp(lse_ctx - lse)[..., None] + o_own * torch.exp(lse_own - lse)[..., None]
+    return (o_ctx * torch.exp(lse_ctx - lse)[..., None] + o_own * torch.exp(lse_own - lse)[..., None]).to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

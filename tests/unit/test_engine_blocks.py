@@ -266,6 +266,8 @@ def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
         ref = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v        # [heads, n, dim]
         torch.testing.assert_close(out[first:first + n], ref.transpose(0, 1).reshape(n, -1), rtol=1e-5, atol=1e-5)
         first += n
+    q16, k16 = torch.randn(1, heads, 3, dim).bfloat16(), torch.randn(1, kv_heads, 9, dim).bfloat16()
+    assert attention.causal_after_context(q16, k16, k16, None).dtype == torch.bfloat16   # in q's dtype
 
 
 def _indexed_case(block: int, gen: torch.Generator):
