@@ -18,6 +18,7 @@ import time
 import torch
 
 from engine.attention import ForwardBatch, SeqChunk, paged_attention
+from engine.paged_decode import faster_from
 
 MEASURE_LENGTHS = (128, 256, 512, 1024)
 """Prompt chunk lengths (tokens, no cached context) `measure_prefill_lengths` times."""
@@ -26,13 +27,11 @@ MEASURE_LENGTHS = (128, 256, 512, 1024)
 def kernel_from(times: dict[int, tuple[float, float]]) -> int | None:
     """The fewest tokens from which the kernel was faster at every longer timed length, by
     ``times`` (chunk length -> (kernel seconds, SDPA seconds)); None when it was not faster at the
-    longest (a tie counts for SDPA), or nothing was timed."""
-    start = None
-    for n in sorted(times, reverse=True):
-        if times[n][0] >= times[n][1]:
-            break
-        start = n
-    return start
+    longest (a tie counts for SDPA), or nothing was timed: the decode kernel's rule
+    (`engine.paged_decode.faster_from`), with no length taken as the kernel's untimed."""
+    never = max(times, default=0) + 1
+    start = faster_from(times, never)
+    return None if start == never else start
 
 
 def measure_prefill_lengths(kernel, heads: int, kv_heads: int, head_dim: int, q_dtype: torch.dtype,
