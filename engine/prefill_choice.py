@@ -91,6 +91,10 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
     Args:
         model: an `engine.models.llama.LlamaModel` (its ``config``, ``attn_dtype``, ``kv_dtype``).
         k_pool, v_pool: one layer of its pool, as `measure_prefill_lengths` takes them.
+        threads: torch threads to time on (the worker's ``threads``).
+    Raises:
+        ValueError: as `measure_prefill_lengths` (an empty pool); inductor's errors where the
+            kernel's package for ``threads`` is not built and cannot be.
     """
     c, before = model.config, torch.get_num_threads()
     torch.set_num_threads(threads)
