@@ -8,6 +8,10 @@ thread or two (docs/PERFORMANCE.md, "Prompt attention chosen at start-up"). So a
 with ``--attention-backend auto`` times both on its own CPU, as its decode kernel's rows are
 timed (`engine.paged_decode.measure_min_rows`), and keeps the kernel only for the lengths it won
 (`kernel_from`); ``--attention-backend compiled`` keeps it from its default length, untimed.
+The times are taken once per machine and kept (`engine.tuning.kept_timings`): at some lengths
+the two sides lie within the timing's noise, and a choice drawn anew at every start would let
+two workers, or one worker before and after a restart, round the same prompt differently. The
+decode kernel's rows are timed at every start: its margins were wide wherever it was measured.
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ import time
 
 import torch
 
+from engine import aot_kernel, attention, flex_prefill
 from engine.attention import ForwardBatch, SeqChunk, paged_attention
 from engine.paged_decode import faster_from
+from engine.tuning import kept_timings
 
 MEASURE_LENGTHS = (128, 256, 512, 1024)
 """Prompt chunk lengths (tokens, no cached context) `measure_prefill_lengths` times."""
+
+_SOURCES = (__file__, attention.__file__, flex_prefill.__file__, aot_kernel.__file__)
+"""The modules whose code the kept times depend on (`choose_prefill_lengths`)."""
 
 
 def kernel_from(times: dict[int, tuple[float, float]]) -> int | None:
@@ -83,10 +92,14 @@ def measure_prefill_lengths(kernel, heads: int, kv_heads: int, head_dim: int, q_
 def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Tensor, threads: int) -> str:
     """Time ``model``'s prompt attention through ``kernel`` (its `CompiledPrefill`, built for
     ``threads``) against SDPA (`measure_prefill_lengths`, on ``threads`` torch threads, the
-    count prompt passes run on; the caller's count restored), and keep the kernel for the chunks
-    it won: its ``min_tokens`` from `kernel_from`'s length (never below its default), or, where
-    it won at none, ``model.prefill_kernel`` set to None (SDPA for every chunk). Returns the
-    choice and the times, for the worker's log.
+    count prompt passes run on; the caller's count restored), once per machine: the times are
+    kept by `engine.tuning.kept_timings` (keyed by the attention's shapes and dtypes, the pool's
+    block size, the thread count, the kernel's class and the source of the modules that time
+    and run both sides), so later starts read them back and every worker on the machine takes
+    the same path for a chunk, and rounds alike. Keeps the kernel for the chunks it won: its
+    ``min_tokens`` from `kernel_from`'s length (never below its default), or, where it won at
+    none, ``model.prefill_kernel`` set to None (SDPA for every chunk). Returns the choice, the
+    times and where they came from, for the worker's log.
 
     Args:
         model: an `engine.models.llama.LlamaModel` (its ``config``, ``attn_dtype``, ``kv_dtype``).
@@ -96,13 +109,31 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
         ValueError: as `measure_prefill_lengths` (an empty pool); inductor's errors where the
             kernel's package for ``threads`` is not built and cannot be.
     """
-    c, before = model.config, torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        times = measure_prefill_lengths(kernel, c.num_heads, c.num_kv_heads, c.head_dim, model.attn_dtype,
-                                        model.kv_dtype, c.attn_scale, k_pool, v_pool)
-    finally:
-        torch.set_num_threads(before)
+    c = model.config
+    identity = {"threads": threads, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "q_dtype": str(model.attn_dtype), "kv_dtype": str(model.kv_dtype), "scale": c.attn_scale,
+                "block_size": k_pool.shape[2], "lengths": list(MEASURE_LENGTHS),
+                "kernel": f"{type(kernel).__module__}.{type(kernel).__qualname__}"}
+
+    def measure() -> dict:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            times = measure_prefill_lengths(kernel, c.num_heads, c.num_kv_heads, c.head_dim, model.attn_dtype,
+                                            model.kv_dtype, c.attn_scale, k_pool, v_pool)
+        finally:
+            torch.set_num_threads(before)
+        return {"times": {str(n): list(pair) for n, pair in times.items()}}
+
+    def check(entry: dict) -> None:
+        kept = entry["times"]
+        if sorted(map(int, kept)) != sorted(MEASURE_LENGTHS):
+            raise ValueError(f"'times' holds lengths {sorted(kept)}, not {list(MEASURE_LENGTHS)}")
+        if not all(len(pair) == 2 and all(type(t) is float and t > 0 for t in pair) for pair in kept.values()):
+            raise ValueError(f"'times' {kept} are not pairs of seconds")
+
+    entry, how = kept_timings("prompt-attention", identity, _SOURCES, measure, check)
+    times = {int(n): (k, s) for n, (k, s) in entry["times"].items()}
     start = kernel_from(times)
     if start is None:
         model.prefill_kernel = None
@@ -110,4 +141,5 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
         kernel.min_tokens = max(start, kernel.min_tokens)
     choice = "SDPA at every length" if start is None else f"compiled from {kernel.min_tokens} tokens up"
     return f"{choice} (measured on {threads} thread(s): " + ", ".join(
-        f"{n} tokens {k * 1e6:.0f} us compiled against {s * 1e6:.0f} us SDPA" for n, (k, s) in times.items()) + ")"
+        f"{n} tokens {k * 1e6:.0f} us compiled against {s * 1e6:.0f} us SDPA" for n, (k, s) in sorted(times.items())
+    ) + f"; {how})"

@@ -17,6 +17,10 @@ and the source of the modules that time and run the kernels: a change to any of 
 Delete the files to time again on purpose. Loads take a lock on the directory while they read,
 time and write, so workers starting together time once, one after the other's timing rather than
 during it. A file that cannot be read back is timed again and replaced, with a warning naming it.
+
+Other choices a worker times at start-up are kept the same way (`kept_timings`): the prompt
+attention's kernel against SDPA (`engine.prefill_choice`), whose two sides can be within the
+timing's noise at some lengths, so that every start would otherwise draw its own choice.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import logging
 import os
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -112,12 +117,49 @@ def _locked(path: Path):
         yield
 
 
+def kept_timings(name: str, identity: dict, sources: tuple[str, ...], measure: Callable[[], dict],
+                 check: Callable[[dict], None]) -> tuple[dict, str]:
+    """Timings kept per machine: read back from ``<tuning_dir>/<name>-<key>.json`` where a load
+    kept them, else ``measure()`` now and kept, under `tuning_dir`'s lock (as the low-bit plans).
+
+    Args:
+        name: what is timed (letters, digits and dashes; the file's prefix).
+        identity: what the timings depend on besides the machine (shapes, dtypes, thread count),
+            JSON-serializable; the key (SHA-256, 32 hex characters) hashes it with torch's
+            version, the CPU's model and flags (`engine.aot_kernel.package_key`'s), the bytes of
+            the files ``sources`` and of this module.
+        measure: times now; returns a JSON-serializable dict (string keys).
+        check: raises ValueError, KeyError or TypeError for an entry that is not such a dict (a
+            file refused by it is timed again and replaced, with a warning naming it).
+    Returns:
+        ``(timings, how)``: ``how`` says for the log where they came from ("read from DIR",
+        "timed and kept in DIR", or why they were not kept).
+    Raises:
+        whatever ``measure`` raises.
+    """
+    h = hashlib.sha256(json.dumps({"identity": identity, "torch": torch.__version__,
+                                   "cpu": aot_kernel._cpu_identity()}, sort_keys=True).encode())
+    for source in (*sources, __file__):
+        h.update(Path(source).read_bytes())
+    directory = tuning_dir()
+    path = directory / f"{name}-{h.hexdigest()[:32]}.json"
+    with ExitStack() as held:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_locked(directory / ".lock"))
+        except OSError as e:
+            log.warning("%s timed and not kept: %s cannot be used (%s)", name, directory, e)
+            return measure(), "timed, not kept"
+        if (entry := _read_entry(path, check)) is not None:
+            return entry, f"read from {directory}"
+        entry = measure()
+        return entry, f"timed and {'kept in' if _write_entry(path, entry) else 'not kept:'} {directory}"
+
+
 def _read(path: Path, threads: int) -> tuple[str, int] | None:
     """The plan kept in ``path`` for ``threads``, or None (absent, or refused with a warning)."""
-    if not path.exists():
-        return None
-    try:
-        entry = json.loads(path.read_text())
+
+    def check(entry: dict) -> None:
         kernel, rows = entry["kernel"], entry["max_rows"]
         if entry["threads"] != threads:
             raise ValueError(f"'threads' is {entry['threads']!r}, not {threads}")
@@ -125,20 +167,41 @@ def _read(path: Path, threads: int) -> tuple[str, int] | None:
             raise ValueError(f"'kernel' is {kernel!r}, not one of {LOW_BIT_KERNELS}")
         if type(rows) is not int or rows < 0:
             raise ValueError(f"'max_rows' is {rows!r}, not a row count")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("low-bit plan %s not used, timed again: %s", path, e)
-        return None
-    return kernel, rows
+
+    entry = _read_entry(path, check)
+    return None if entry is None else (entry["kernel"], entry["max_rows"])
 
 
 def _write(path: Path, threads: int, plan: tuple[str, int]) -> bool:
     """Keep ``plan`` in ``path``; False (with a warning) where it cannot be written."""
+    return _write_entry(path, {"threads": threads, "kernel": plan[0], "max_rows": plan[1]})
+
+
+def _read_entry(path: Path, check: Callable[[dict], None]) -> dict | None:
+    """The JSON object kept in ``path`` that ``check`` accepts, or None (absent, or refused
+    with a warning naming the file and the cause)."""
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+        if not isinstance(entry, dict):
+            raise TypeError(f"a JSON {type(entry).__name__}, not an object")
+        check(entry)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s not used, timed again: %s", path, e)
+        return None
+    return entry
+
+
+def _write_entry(path: Path, entry: dict) -> bool:
+    """Keep ``entry`` in ``path`` (written whole, then renamed over it); False (with a warning)
+    where it cannot be written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({"threads": threads, "kernel": plan[0], "max_rows": plan[1]}) + "\n")
+        tmp.write_text(json.dumps(entry) + "\n")
         os.replace(tmp, path)   # readers see the old file or the whole new one
         return True
     except OSError as e:
-        log.warning("low-bit plan for %d thread(s) not kept in %s: %s", threads, path, e)
+        log.warning("timings not kept in %s: %s", path, e)
         tmp.unlink(missing_ok=True)
         return False

@@ -6,6 +6,7 @@ compiler would)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -73,6 +74,15 @@ class _RowsAndThreads(CompiledDecode):
 @pytest.fixture()
 def model_and_pool():
     return _model(5), KVPool(TINY, CacheConfig(block_size=4, num_blocks=16))
+
+
+@pytest.fixture(autouse=True)
+def tuning_dir(tmp_path, monkeypatch):
+    """Kept timings (`engine.tuning.kept_timings`) in the test's own directory: a test's injected
+    slowness is timed, never read back from the machine's (or kept there)."""
+    directory = tmp_path / "pdserve-tuning"
+    monkeypatch.setattr("engine.tuning.tuning_dir", lambda: directory)
+    return directory
 
 
 def test_auto_and_compiled_build_the_kernels_and_grouped_does_not(model_and_pool, caplog):
@@ -242,9 +252,9 @@ def _slow_sdpa(real):
 @pytest.mark.parametrize("slower", ["kernel", "sdpa"])
 def test_auto_keeps_the_prompt_kernel_only_where_it_was_timed_faster(model_and_pool, monkeypatch, caplog, slower):
     """Under ``--attention-backend auto`` a worker times its prompt kernel against SDPA at
-    `MEASURE_LENGTHS` on its pass thread count: a kernel slower at every length is dropped (the
-XX
-    from its default length; "compiled" keeps it untimed. The thread count is restored."""
+    `MEASURE_LENGTHS` on its pass thread count: a kernel slower at every length is dropped (SDPA
+    for every chunk), one faster at every length is kept from its default length; "compiled"
+    keeps it untimed. The thread count is restored."""
     from engine.prefill_choice import MEASURE_LENGTHS
 
     model, pool = model_and_pool
@@ -267,3 +277,46 @@ XX
     model.prefill_kernel = None
     _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="compiled"), model, pool)
     assert model.prefill_kernel.min_tokens == CompiledPrefill.min_tokens
+
+
+def test_the_prompt_choice_is_timed_once_per_machine_and_read_back_by_later_starts(model_and_pool, monkeypatch,
+                                                                                  caplog, tuning_dir):
+    """The first ``auto`` start times the prompt kernel and keeps the times; a later start with a
+    kernel that would lose every timing (injected slowness) reads them back instead, takes the
+    same path and logs where the times came from; a kept file that cannot be read is named, timed
+    again and replaced; another thread count, or another kernel class, is timed on its own."""
+    model, pool = model_and_pool
+    monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
+                        _slow_sdpa(torch.nn.functional.scaled_dot_product_attention))
+    with caplog.at_level(logging.INFO, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    (kept,) = tuning_dir.glob("prompt-attention-*.json")
+    first = json.loads(kept.read_text())["times"]
+    assert sorted(map(int, first)) == [128, 256, 512, 1024] and f"timed and kept in {tuning_dir}" in caplog.text
+    assert model.prefill_kernel.min_tokens == CompiledPrefill.min_tokens   # SDPA was the slower
+    monkeypatch.undo()   # SDPA its own speed again; the kernel made slower, its class the same
+    monkeypatch.setattr("engine.tuning.tuning_dir", lambda: tuning_dir)
+    real = CompiledPrefill.__call__
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.004)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(CompiledPrefill, "__call__", slow)
+    model.prefill_kernel = None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    assert f"read from {tuning_dir}" in caplog.text and "compiled from 128 tokens up" in caplog.text
+    assert model.prefill_kernel is not None and json.loads(kept.read_text())["times"] == first
+    kept.write_text(json.dumps({"times": {"128": [1.0, 2.0]}}))   # lengths missing: timed again
+    model.prefill_kernel = None
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    assert str(kept) in caplog.text and "not used, timed again" in caplog.text
+    assert model.prefill_kernel is None and "SDPA at every length" in caplog.text   # the slow kernel, timed
+    assert sorted(map(int, json.loads(kept.read_text())["times"])) == [128, 256, 512, 1024]
+    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto", threads=2), model, pool)
+    monkeypatch.setattr("worker.runtime.CompiledPrefill", _SlowPrefill)   # another kernel: its own times
+    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    assert len(list(tuning_dir.glob("prompt-attention-*.json"))) == 3
