@@ -6,7 +6,8 @@ Lifecycle of the test (one module-scoped engine, every step timed and bounded):
 2. build the base image without any registry (debootstrap of Debian bookworm, cached) and the
    project image from it, torch coming from a local wheel directory;
 3. ``compose up`` router + 2 prefill + 2 decode; completions through the published port;
-4. scale decode to 3 and see the new worker serve requests (its Stats counters);
+4. scale decode to 3 and see the new worker serve requests (its Stats counters), and the
+   workers' start-up timings kept in the host's one cache volume;
 5. stop one prefill container (it leaves cleanly, exit 0) and see requests still served;
 6. ``compose down -v`` and stop the engine if this test started it.
 
@@ -201,9 +202,11 @@ def cluster(docker_env, image, tmp_path_factory):
     env_file = tmp_path_factory.mktemp("compose") / "cluster.env"
     env_file.write_text(f"PDSERVE_SECRET={secrets.token_hex(24)}\n")
     port = _free_port()
+    # fp32, the reference mode: a greedy answer does not depend on the batch it was decoded in
+    # (native weights and their bfloat16 KV can round a near-tied token by batch composition)
     env = dict(docker_env, PDSERVE_IMAGE=image, PDSERVE_ENV_FILE=str(env_file),
                PDSERVE_HTTP_PORT=str(port), PDSERVE_REGISTRY_PORT=str(_free_port()),
-               PDSERVE_NUM_BLOCKS="256")
+               PDSERVE_NUM_BLOCKS="256", PDSERVE_WEIGHTS="fp32")
     c = Cluster(env, port)
     c.compose("down", "-v", "--remove-orphans", "-t", "5", what="compose down (stale)")
     try:
@@ -245,6 +248,14 @@ def test_compose_cluster_serves_scales_and_survives_a_prefill_stop(cluster):
             cluster.fail(f"new decode worker {new_id} served nothing in 120s: {cluster.finished()}")
         assert cluster.complete_many(PROMPTS * 2) == answers * 2
     TIMINGS["new decode takes traffic"] = time.monotonic() - t0
+
+    # Every worker keeps what it times at start-up (native weights' low-bit plan) in the one volume
+    # of this host, writable by the image's user, so workers hold one plan and round alike.
+    for worker in (f"{PROJECT}-prefill-1", f"{PROJECT}-decode-3"):
+        kept = _run(["docker", "exec", worker, "python", "-c", "from engine.tuning import tuning_dir; "
+                     "d = tuning_dir(); d.mkdir(parents=True, exist_ok=True); (d / 'probe').write_text('x'); print(d)"],
+                    cluster.env, 60, "tuning dir").strip()
+        assert kept == "/var/cache/pdserve/inductor/pdserve-tuning", kept
 
     # Stop one prefill container: it leaves cleanly and requests are still served by the other.
     t0 = time.monotonic()
