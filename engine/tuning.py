@@ -51,27 +51,28 @@ def tuning_dir() -> Path:
 
 
 def plan_key(linears: list, threads: int) -> str:
-    """The key (hex, 32 characters) of the plan for ``linears`` (`engine.quant.Int4Linear`, in
-    forward order) on ``threads`` torch threads: SHA-256 of the thread count, each linear's
-    ``(out_features, in_features)``, the dense copies' dtype (`engine.quant.dense_dtype`),
-    torch's and onnxruntime's versions, the CPU's model and flags (as
-    `engine.aot_kernel.package_key` reads them), and the bytes of `engine.quant`, `engine.mlas`
-    and this module."""
+    """The key (`_key`) of the plan for ``linears`` (`engine.quant.Int4Linear`, in forward order)
+    on ``threads`` torch threads: the thread count, each linear's ``(out_features,
+    in_features)``, the dense copies' dtype (`engine.quant.dense_dtype`), onnxruntime's version,
+    and the bytes of `engine.quant` and `engine.mlas`."""
     try:
         import onnxruntime
 
         ort = onnxruntime.__version__
     except ImportError:
         ort = None
-    h = hashlib.sha256()
-    h.update(json.dumps({"threads": threads, "torch": torch.__version__, "onnxruntime": ort,
-                         "cpu": aot_kernel._cpu_identity(),
-                         "dense": str(quant.dense_dtype()),
-                         "linears": [(p.out_features, p.in_features) for p in linears]},
-                        sort_keys=True).encode())
-    for module in (quant, mlas):
-        h.update(Path(module.__file__).read_bytes())
-    h.update(Path(__file__).read_bytes())
+    return _key({"threads": threads, "onnxruntime": ort, "dense": str(quant.dense_dtype()),
+                 "linears": [(p.out_features, p.in_features) for p in linears]}, (quant.__file__, mlas.__file__))
+
+
+def _key(fields: dict, sources: tuple[str, ...]) -> str:
+    """A kept file's key, 32 hex characters: SHA-256 of ``fields`` (JSON-serializable) with
+    torch's version and the CPU's model and flags (as `engine.aot_kernel.package_key` reads them),
+    then the bytes of the files ``sources`` and of this module."""
+    h = hashlib.sha256(json.dumps({**fields, "torch": torch.__version__, "cpu": aot_kernel._cpu_identity()},
+                                  sort_keys=True).encode())
+    for source in (*sources, __file__):
+        h.update(Path(source).read_bytes())
     return h.hexdigest()[:32]
 
 
@@ -91,15 +92,10 @@ def tuned_low_bit_plans(linears: list, thread_counts: tuple[int, ...]) -> tuple[
         ValueError: no thread count, or one below 1 (`choose_low_bit_plans`).
     """
     counts = sorted(set(thread_counts))
-    directory = tuning_dir()
-    files = {n: directory / f"low-bit-{plan_key(linears, n)}.json" for n in counts}
-    with ExitStack() as held:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            held.enter_context(_locked(directory / ".lock"))
-        except OSError as e:
-            log.warning("low-bit plans timed and not kept: %s cannot be used (%s)", directory, e)
+    with _held_directory("low-bit plans") as directory:
+        if directory is None:
             return choose_low_bit_plans(linears, counts), "timed, not kept"
+        files = {n: directory / f"low-bit-{plan_key(linears, n)}.json" for n in counts}
         known = {n: plan for n in counts if (plan := _read(files[n], n)) is not None}
         plans = choose_low_bit_plans(linears, counts, known=known)
         timed = [n for n in counts if n not in known]
@@ -117,6 +113,21 @@ def _locked(path: Path):
         yield
 
 
+@contextmanager
+def _held_directory(what: str):
+    """`tuning_dir`, made if absent and locked (`_locked` on its ``.lock``) while the block runs;
+    None, with a warning that ``what`` is timed and not kept, where it cannot be made or locked."""
+    directory = tuning_dir()
+    with ExitStack() as held:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_locked(directory / ".lock"))
+        except OSError as e:
+            log.warning("%s timed and not kept: %s cannot be used (%s)", what, directory, e)
+            directory = None
+        yield directory
+
+
 def kept_timings(name: str, identity: dict, sources: tuple[str, ...], measure: Callable[[], dict],
                  check: Callable[[dict], None]) -> tuple[dict, str]:
     """Timings kept per machine: read back from ``<tuning_dir>/<name>-<key>.json`` where a load
@@ -125,9 +136,8 @@ def kept_timings(name: str, identity: dict, sources: tuple[str, ...], measure: C
     Args:
         name: what is timed (letters, digits and dashes; the file's prefix).
         identity: what the timings depend on besides the machine (shapes, dtypes, thread count),
-            JSON-serializable; the key (SHA-256, 32 hex characters) hashes it with torch's
-            version, the CPU's model and flags (`engine.aot_kernel.package_key`'s), the bytes of
-            the files ``sources`` and of this module.
+            JSON-serializable; the file's key (`_key`) hashes it with the machine and the bytes of
+            the files ``sources``.
         measure: times now; returns a JSON-serializable dict (string keys).
         check: raises ValueError, KeyError or TypeError for an entry that is not such a dict (a
             file refused by it is timed again and replaced, with a warning naming it).
@@ -137,19 +147,10 @@ def kept_timings(name: str, identity: dict, sources: tuple[str, ...], measure: C
     Raises:
         whatever ``measure`` raises.
     """
-    h = hashlib.sha256(json.dumps({"identity": identity, "torch": torch.__version__,
-                                   "cpu": aot_kernel._cpu_identity()}, sort_keys=True).encode())
-    for source in (*sources, __file__):
-        h.update(Path(source).read_bytes())
-    directory = tuning_dir()
-    path = directory / f"{name}-{h.hexdigest()[:32]}.json"
-    with ExitStack() as held:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            held.enter_context(_locked(directory / ".lock"))
-        except OSError as e:
-            log.warning("%s timed and not kept: %s cannot be used (%s)", name, directory, e)
+    with _held_directory(name) as directory:
+        if directory is None:
             return measure(), "timed, not kept"
+        path = directory / f"{name}-{_key({'identity': identity}, sources)}.json"
         if (entry := _read_entry(path, check)) is not None:
             return entry, f"read from {directory}"
         entry = measure()
