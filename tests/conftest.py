@@ -26,12 +26,11 @@ def smollm():
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """Hugging Face transformers' Llama loaded from the same GGUF file (float32), the reference."""
+    """Hugging Face transformers' Llama converted by transformers from the same GGUF file (float32),
+    the reference (`tests.hf_reference`: converted once per machine)."""
     transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
-    from engine.modelfile import default_model_path
+    from tests.hf_reference import reference_dir
 
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(reference_dir()), dtype=torch.float32)
     model.eval()
     return model

@@ -2,7 +2,8 @@
 through /tokenizer_info, /tokenize, /detokenize) and against Hugging Face transformers on the
 same GGUF weights (``--model hf``), in the same run, on two local tasks (no hub access): a
 loglikelihood multiple-choice task (echo + logprobs: the prompt logprobs come from the prefill
-worker) and a generate_until task (greedy, stop at a newline). Scores must be equal, every
+worker) and a generate_until task (greedy, stop at a newline). Transformers reads its own
+conversion of the GGUF file, kept per machine (`tests.hf_reference`). Scores must be equal, every
 per-choice loglikelihood within 1e-3 of transformers', and every generation the same text."""
 
 from __future__ import annotations
@@ -107,14 +108,14 @@ def _lm_eval_results(proc: subprocess.Popen, out: Path) -> tuple[dict, dict, dic
 
 
 def test_scores_equal_transformers(cluster, tmp_path):
-    from engine.modelfile import default_model_path
+    from tests.hf_reference import reference_dir
 
-    gguf = default_model_path()
+    hf_dir = reference_dir()   # transformers' own conversion of the GGUF file, kept per machine
     # both runs at once: the router's client mostly waits on the cluster, transformers computes
     runs = [_start_lm_eval(tmp_path, "pdserve", "local-completions",
                            f"base_url={cluster.url}/v1/completions,model={MODEL},num_concurrent=1,"
                            "max_retries=1,tokenized_requests=True,tokenizer_backend=remote"),
-            _start_lm_eval(tmp_path, "hf", "hf", f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32")]
+            _start_lm_eval(tmp_path, "hf", "hf", f"pretrained={hf_dir},dtype=float32")]
     try:
         ours, our_lls, our_texts = _lm_eval_results(*runs[0])
         theirs, their_lls, their_texts = _lm_eval_results(*runs[1])

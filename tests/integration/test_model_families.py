@@ -78,12 +78,11 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 
 def save_tokenizer(out: Path) -> Path:
-    """SmolLM2's tokenizer saved by transformers into ``out`` (returned)."""
-    from engine.modelfile import default_model_path
+    """SmolLM2's tokenizer (transformers' conversion of the GGUF file's, `tests.hf_reference`)
+    saved by transformers into ``out`` (returned)."""
+    from tests.hf_reference import reference_dir
 
-    path = default_model_path()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(str(reference_dir())).save_pretrained(out)
     return out
 
 
