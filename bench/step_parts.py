@@ -30,8 +30,7 @@ import torch
 
 import engine.models.llama as llama
 from bench.common import arg_parser, write_json
-from bench.threads import BS, _run, use_worker_kernels
-from engine.attention import SeqChunk
+from bench.threads import BS, _run, computed_contexts, use_worker_kernels
 from engine.config import CacheConfig
 from engine.kv_cache import KVPool
 from engine.loader import load_model
@@ -112,13 +111,10 @@ def time_parts(runner: ModelRunner, pool: KVPool, reps: int, context: int,
     """``{pass kind: {"pass_ms", "parts_ms": {part: ms}, "rest_ms"}}`` for ``"decode x<rows>"``
     and ``"prefill <context>"`` (one prompt of ``context`` tokens), each the mean
     over ``reps`` timed passes (after two untimed ones) of ``runner`` over ``pool``; the blocks
-    taken are given back."""
-    model = runner.model
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, model.config.vocab_size, (context,), generator=gen).tolist()
-    per_seq = -(-(context + 1) // pool.block_size)
+    taken are given back. Raises the allocator's error when ``pool`` cannot hold the largest
+    batch's contexts."""
     out = {}
-    with PartTimers(model) as timers:
+    with PartTimers(runner.model) as timers:
         def measure(chunks) -> dict:
             for _ in range(2):
                 _run(runner, pool, chunks)
@@ -131,16 +127,10 @@ def time_parts(runner: ModelRunner, pool: KVPool, reps: int, context: int,
             return {"pass_ms": total * 1e3, "parts_ms": parts, "rest_ms": total * 1e3 - sum(parts.values())}
 
         for batch in rows:
-            chunks = [SeqChunk(prompt, 0, pool.allocator.allocate(per_seq)) for _ in range(batch)]
-            try:
-                for c in chunks:   # each context computed once
-                    _run(runner, pool, [c])
-                out[f"decode x{batch}"] = measure([SeqChunk([prompt[0]], context, c.block_table) for c in chunks])
+            with computed_contexts(runner, pool, batch, context) as (prompts, step):
+                out[f"decode x{batch}"] = measure(step)
                 if batch == rows[0]:
-                    out[f"prefill {context}"] = measure(chunks[:1])
-            finally:
-                for c in chunks:
-                    pool.allocator.free(c.block_table)
+                    out[f"prefill {context}"] = measure(prompts[:1])
     return out
 
 
@@ -172,8 +162,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    rows = tuple(int(r) for r in args.rows.split(","))
-    if not rows or min(rows) < 1 or args.context < 1 or args.reps < 1 or args.threads < 1:
+    try:
+        rows = tuple(int(r) for r in args.rows.split(","))
+    except ValueError:
+        ap.error(f"--rows takes comma-separated integers, got {args.rows!r}")
+    if min(rows) < 1 or args.context < 1 or args.reps < 1 or args.threads < 1:
         ap.error("--rows, --context, --reps and --threads must be positive")
     torch.set_num_threads(args.threads)
     loaded = load_model(None, weights=args.weights)

@@ -36,6 +36,7 @@ stopped at the end). Needs at least 2 CPUs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -72,26 +73,37 @@ class Neighbour:
         self.proc.wait()
 
 
+@contextlib.contextmanager
+def computed_contexts(runner: ModelRunner, pool: KVPool, batch: int, context: int):
+    """``batch`` sequences of one seeded random prompt of ``context`` tokens, each computed once
+    through ``runner`` into blocks of ``pool``; yields ``(prompts, step)``: the prompt chunks and
+    the decode step of one token after each. The blocks are given back on exit. Raises the
+    allocator's error when ``pool`` has too few free blocks."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, runner.model.config.vocab_size, (context,), generator=gen).tolist()
+    per_seq = -(-(context + 1) // pool.block_size)
+    chunks = []
+    try:
+        for _ in range(batch):
+            chunks.append(SeqChunk(prompt, 0, pool.allocator.allocate(per_seq)))
+        for c in chunks:
+            _run(runner, pool, [c])
+        yield chunks, [SeqChunk([prompt[0]], context, c.block_table) for c in chunks]
+    finally:
+        for c in chunks:
+            pool.allocator.free(c.block_table)
+
+
 def time_passes(runner: ModelRunner, pool: KVPool, reps: int, context: int = CONTEXT,
                 batches: tuple[int, ...] = (1, 8, 32)) -> dict[str, float]:
     """Median seconds of each pass kind (module docstring) through ``runner`` over ``pool``:
     ``"prefill <context>"`` and ``"decode x<batch>"``; the blocks taken are given back."""
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, runner.model.config.vocab_size, (context,), generator=gen).tolist()
-    per_seq = -(-(context + 1) // pool.block_size)
     out = {}
     for batch in batches:
-        chunks = [SeqChunk(prompt, 0, pool.allocator.allocate(per_seq)) for _ in range(batch)]
-        try:
-            for c in chunks:   # each context computed once
-                _run(runner, pool, [c])
-            step = [SeqChunk([prompt[0]], context, c.block_table) for c in chunks]
+        with computed_contexts(runner, pool, batch, context) as (chunks, step):
             out[f"decode x{batch}"] = median_time(lambda: _run(runner, pool, step), reps)
             if batch == 1:
                 out[f"prefill {context}"] = median_time(lambda: _run(runner, pool, chunks), reps)
-        finally:
-            for c in chunks:
-                pool.allocator.free(c.block_table)
     return out
 
 
