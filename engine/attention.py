@@ -309,7 +309,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                     block_size: int, window: int | None = None, scale: float | None = None,
                     softcap: float | None = None, decode_kernel: "engine.paged_decode.CompiledDecode | None" = None,
-                    prefill_kernel: "engine.flex_prefill.CompiledPrefill | None" = None) -> torch.Tensor:
+                    prefill_kernel: "engine.flex_prefill.CompiledPrefill | None" = None,
+                    prefill_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of the new tokens, after their K/V have been written into the pool.
 
     Args:
@@ -332,14 +333,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             context, to the pool's K/V before it, gathered) through this `CompiledPrefill`
             instead of SDPA when it `takes` the chunk's length, outside sliding windows and
             soft-capping (``--attention-backend compiled``).
+        prefill_dtype: on the CPU, the prompt chunks' SDPA (not ``prefill_kernel``'s, nor the
+            one-token sequences', nor soft-capped scores) computed in this dtype, ``q`` and the
+            K/V cast to it and the output cast back to ``q``'s (bfloat16 where oneDNN's AMX
+            kernels make it faster than float32, `engine.prefill_choice`); None: in ``q``'s.
     Returns:
         ``[T, num_heads * head_dim]`` in ``q``'s dtype.
     """
     if batch.is_decode:
         return _decode_attention(q, k_pool, v_pool, batch, block_size, window, scale, softcap, decode_kernel)
+    low = q.dtype if prefill_dtype is None or softcap is not None or q.device.type != "cpu" else prefill_dtype
     pad = batch.prefill_pad
     if pad is not None and softcap is None and (window is None or pad[0] <= window):
-        return _padded_prefill(q, k, v, pad, len(batch.seq_ranges), scale)
+        return _padded_prefill(q, k, v, pad, len(batch.seq_ranges), scale, low).to(q.dtype)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if batch.decode_rows is not None:
         out[batch.decode_rows] = _decode_attention(q.index_select(0, batch.decode_rows), k_pool, v_pool,
@@ -355,9 +361,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if not windowed and softcap is None and prefill_kernel is not None and prefill_kernel.takes(n):
             out[first:first + n] = prefill_kernel(q[first:first + n], ks, vs, scale)   # it casts K/V
             continue
-        qs = q[first:first + n].transpose(0, 1).unsqueeze(0)
-        ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
-        vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        dtype = low if n > 1 else q.dtype   # a one-token sequence attends as in a decode pass
+        qs = q[first:first + n].to(dtype).transpose(0, 1).unsqueeze(0)
+        ks = ks.to(dtype).transpose(0, 1).unsqueeze(0)
+        vs = vs.to(dtype).transpose(0, 1).unsqueeze(0)
         if ctx == n and not windowed and softcap is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
         elif not windowed and softcap is None and q.device.type == "cpu":
@@ -369,23 +376,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             if windowed:
                 mask &= cols > rows - window
             o = _attend(qs, ks, vs, mask, scale, softcap)
-        out[first:first + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
+        out[first:first + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)   # cast back to q's dtype
     return out
 
 
 def _padded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tuple[int, torch.Tensor], seqs: int,
-                    scale: float | None) -> torch.Tensor:
-    """`paged_attention` of a pass of ``seqs`` whole prompts as one causal SDPA over their rows
-    right-padded to ``pad = (L, index)`` (`ForwardBatch.plan_padded_prefill`); padded rows are
-    zeros and are dropped. Returns ``[T, heads * head_dim]`` in ``q``'s dtype."""
+                    scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """`paged_attention` of a pass of ``seqs`` whole prompts as one causal SDPA in ``dtype`` over
+    their rows right-padded to ``pad = (L, index)`` (`ForwardBatch.plan_padded_prefill`); padded
+    rows are zeros and are dropped. Returns ``[T, heads * head_dim]`` in ``dtype``."""
     longest, index = pad
     rows, heads, dim = q.shape
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         if index is None:   # prompts of one length: the rows are the batch already
-            return x.to(q.dtype).view(seqs, longest, x.shape[1], dim).transpose(1, 2)
-        out = x.new_zeros((seqs * longest, x.shape[1], dim), dtype=q.dtype)
-        out.index_copy_(0, index, x.to(q.dtype))
+            return x.to(dtype).view(seqs, longest, x.shape[1], dim).transpose(1, 2)
+        out = x.new_zeros((seqs * longest, x.shape[1], dim), dtype=dtype)
+        out.index_copy_(0, index, x.to(dtype))
         return out.view(seqs, longest, x.shape[1], dim).transpose(1, 2)
 
     o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, enable_gqa=True, scale=scale)

@@ -12,6 +12,13 @@ The times are taken once per machine and kept (`engine.tuning.kept_timings`): at
 the two sides lie within the timing's noise, and a choice drawn anew at every start would let
 two workers, or one worker before and after a restart, round the same prompt differently. The
 decode kernel's rows are timed at every start: its margins were wide wherever it was measured.
+
+Where the pool holds bfloat16 K/V and oneDNN multiplies bfloat16 natively (`prompt_low_dtype`),
+SDPA in bfloat16 (the queries rounded to it, the K/V as stored) is timed beside SDPA in the
+attention's float32: with AMX, torch's flash kernel runs its products in bfloat16 several times
+faster (docs/PERFORMANCE.md, "Prompt attention in bfloat16 on an AMX core"); without it, slower
+("Cheaper arithmetic for prompts on this core"). It is taken when faster at every timed length
+(`low_precision_wins`), and the kernel is then timed against it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 
 from engine import aot_kernel, attention, flex_prefill
 from engine.attention import ForwardBatch, SeqChunk, paged_attention
+from engine.linear import bf16_matmul_fast
 from engine.paged_decode import faster_from
 from engine.tuning import kept_timings
 
@@ -43,20 +51,39 @@ def kernel_from(times: dict[int, tuple[float, float]]) -> int | None:
     return None if start == never else start
 
 
+def low_precision_wins(times: dict[int, tuple[float, ...]]) -> bool:
+    """True when SDPA in the lower precision (each entry's third time) was faster than in the
+    attention's own dtype (its second) at every timed length; False for none timed, or a tie."""
+    return bool(times) and all(len(t) == 3 and t[2] < t[1] for t in times.values())
+
+
+def prompt_low_dtype(model) -> torch.dtype | None:
+    """bfloat16 where ``model``'s prompt SDPA could run in it at no loss beyond the queries'
+    rounding: a CPU model whose pool is bfloat16 (``kv_dtype``), attending in float32
+    (``attn_dtype``), on a CPU that multiplies bfloat16 natively; else None (float32 mode, the
+    reference, never)."""
+    if (model.device.type != "cpu" or model.kv_dtype != torch.bfloat16 or model.attn_dtype != torch.float32
+            or not bf16_matmul_fast()):
+        return None
+    return torch.bfloat16
+
+
 def measure_prefill_lengths(kernel, heads: int, kv_heads: int, head_dim: int, q_dtype: torch.dtype,
                             kv_dtype: torch.dtype, scale: float | None, k_pool: torch.Tensor,
                             v_pool: torch.Tensor, lengths: tuple[int, ...] = MEASURE_LENGTHS,
-                            reps: int = 5) -> dict[int, tuple[float, float]]:
+                            reps: int = 5, low_dtype: torch.dtype | None = None) -> dict[int, tuple[float, ...]]:
     """Time one layer's attention of a fresh prompt chunk of each of ``lengths`` tokens through
     ``kernel`` (a `CompiledPrefill` whose package for the current torch thread count is built or
-    loaded, else it is built here) and through SDPA, both by `engine.attention.paged_attention`
-    as a prompt pass calls it, under ``torch.inference_mode``, the calls alternated, the first of
-    each a warm-up; returns ``{tokens: (kernel seconds, SDPA seconds)}``, medians of ``reps``.
+    loaded, else it is built here) and through SDPA (and SDPA in ``low_dtype`` when given), each by
+    `engine.attention.paged_attention` as a prompt pass calls it, under ``torch.inference_mode``,
+    the calls alternated, the first of each a warm-up; returns ``{tokens: (kernel seconds, SDPA
+    seconds[, SDPA in low_dtype seconds])}``, medians of ``reps``.
 
     Args:
         heads, kv_heads, head_dim: the model's attention shape (query heads, K/V heads, width).
         q_dtype: the attention's dtype (the queries'); kv_dtype: the pool's (the chunk's K/V).
         scale: the scores' scale (None: ``head_dim ** -0.5``).
+        low_dtype: a lower precision for SDPA (``paged_attention``'s ``prefill_dtype``), or None.
         k_pool, v_pool: one layer's pool ``[num_blocks, num_kv_heads, block_size, head_dim]``,
             at least one block; a fresh chunk attends to its own K/V, so neither is read.
     Raises:
@@ -75,15 +102,16 @@ def measure_prefill_lengths(kernel, heads: int, kv_heads: int, head_dim: int, q_
                 batch = ForwardBatch.build([SeqChunk([0] * n, 0, [0] * -(-n // block_size))], block_size)
                 q = torch.randn(n, heads, head_dim, generator=gen).to(q_dtype)
                 k, v = (torch.randn(n, kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in range(2))
-                spent = {True: [], False: []}
+                ways = [(kernel, None), (None, None)] + ([(None, low_dtype)] if low_dtype is not None else [])
+                spent = [[] for _ in ways]
                 for rep in range(reps + 1):
-                    for compiled in (True, False) if rep % 2 else (False, True):
+                    for i in range(len(ways)) if rep % 2 else reversed(range(len(ways))):
                         start = time.perf_counter()
                         paged_attention(q, k, v, k_pool, v_pool, batch, block_size, scale=scale,
-                                        prefill_kernel=kernel if compiled else None)
+                                        prefill_kernel=ways[i][0], prefill_dtype=ways[i][1])
                         if rep:
-                            spent[compiled].append(time.perf_counter() - start)
-                times[n] = (statistics.median(spent[True]), statistics.median(spent[False]))
+                            spent[i].append(time.perf_counter() - start)
+                times[n] = tuple(statistics.median(s) for s in spent)
     finally:
         kernel.min_tokens = default
     return times
@@ -98,7 +126,9 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
     and run both sides), so later starts read them back and every worker on the machine takes
     the same path for a chunk, and rounds alike. Keeps the kernel for the chunks it won: its
     ``min_tokens`` from `kernel_from`'s length (never below its default), or, where it won at
-    none, ``model.prefill_kernel`` set to None (SDPA for every chunk). Returns the choice, the
+    none, ``model.prefill_kernel`` set to None (SDPA for every chunk). Where `prompt_low_dtype`
+    offers bfloat16, SDPA in it is timed too and, where `low_precision_wins`, taken
+    (``model.prefill_attn_dtype``), the kernel then timed against it. Returns the choice, the
     times and where they came from, for the worker's log.
 
     Args:
@@ -109,37 +139,43 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
         ValueError: as `measure_prefill_lengths` (an empty pool); inductor's errors where the
             kernel's package for ``threads`` is not built and cannot be.
     """
-    c = model.config
+    c, low = model.config, prompt_low_dtype(model)
     identity = {"threads": threads, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
                 "q_dtype": str(model.attn_dtype), "kv_dtype": str(model.kv_dtype), "scale": c.attn_scale,
-                "block_size": k_pool.shape[2], "lengths": list(MEASURE_LENGTHS),
+                "block_size": k_pool.shape[2], "lengths": list(MEASURE_LENGTHS), "low_dtype": str(low),
                 "kernel": f"{type(kernel).__module__}.{type(kernel).__qualname__}"}
+    width = 2 if low is None else 3
 
     def measure() -> dict:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             times = measure_prefill_lengths(kernel, c.num_heads, c.num_kv_heads, c.head_dim, model.attn_dtype,
-                                            model.kv_dtype, c.attn_scale, k_pool, v_pool)
+                                            model.kv_dtype, c.attn_scale, k_pool, v_pool, low_dtype=low)
         finally:
             torch.set_num_threads(before)
-        return {"times": {str(n): list(pair) for n, pair in times.items()}}
+        return {"times": {str(n): list(ways) for n, ways in times.items()}}
 
     def check(entry: dict) -> None:
         kept = entry["times"]
         if sorted(map(int, kept)) != sorted(MEASURE_LENGTHS):
             raise ValueError(f"'times' holds lengths {sorted(kept)}, not {list(MEASURE_LENGTHS)}")
-        if not all(len(pair) == 2 and all(type(t) is float and t > 0 for t in pair) for pair in kept.values()):
-            raise ValueError(f"'times' {kept} are not pairs of seconds")
+        if not all(len(ways) == width and all(type(t) is float and t > 0 for t in ways) for ways in kept.values()):
+            raise ValueError(f"'times' {kept} are not {width}-tuples of seconds")
 
     entry, how = kept_timings("prompt-attention", identity, _SOURCES, measure, check)
-    times = {int(n): (k, s) for n, (k, s) in entry["times"].items()}
-    start = kernel_from(times)
+    times = {int(n): tuple(ways) for n, ways in entry["times"].items()}
+    model.prefill_attn_dtype = low if low_precision_wins(times) else None
+    sdpa = "SDPA" if model.prefill_attn_dtype is None else f"SDPA in {str(low).removeprefix('torch.')}"
+    start = kernel_from({n: (ways[0], ways[2] if model.prefill_attn_dtype is not None else ways[1])
+                         for n, ways in times.items()})
     if start is None:
         model.prefill_kernel = None
     else:
         kernel.min_tokens = max(start, kernel.min_tokens)
-    choice = "SDPA at every length" if start is None else f"compiled from {kernel.min_tokens} tokens up"
+    choice = f"{sdpa} at every length" if start is None else f"compiled from {kernel.min_tokens} tokens up, {sdpa} below"
     return f"{choice} (measured on {threads} thread(s): " + ", ".join(
-        f"{n} tokens {k * 1e6:.0f} us compiled against {s * 1e6:.0f} us SDPA" for n, (k, s) in sorted(times.items())
+        f"{n} tokens {ways[0] * 1e6:.0f} us compiled against {ways[1] * 1e6:.0f} us SDPA"
+        + (f" and {ways[2] * 1e6:.0f} us SDPA in {str(low).removeprefix('torch.')}" if len(ways) == 3 else "")
+        for n, ways in sorted(times.items())
     ) + f"; {how})"

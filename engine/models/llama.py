@@ -154,11 +154,11 @@ class LlamaModel:
         self._kv_size = c.num_kv_heads * c.head_dim
         self._compiled_layers = None
         self.decode_kernel = None
-        """`engine.paged_decode.CompiledDecode` for the CPU decode attention (``--attention-backend
-        compiled``, set by `worker.runtime`); None: the grouped path."""
+        """`engine.paged_decode.CompiledDecode`, the CPU decode attention (`worker.runtime`); None: grouped."""
         self.prefill_kernel = None
-        """`engine.flex_prefill.CompiledPrefill` for the CPU attention of prompt chunks
-        (``--attention-backend compiled``, set by `worker.runtime`); None: SDPA."""
+        """`engine.flex_prefill.CompiledPrefill`, the CPU prompt chunks' attention (`worker.runtime`); None: SDPA."""
+        self.prefill_attn_dtype = None
+        """Prompt chunks' SDPA dtype on the CPU (`engine.prefill_choice`); None: ``attn_dtype``."""
         self.glue = None
         """`engine.glue.CompiledGlue` for the rotary embedding, the residual add + RMSNorm and
         SiLU x up of every pass (set by `worker.runtime` with the attention kernels; used where
@@ -218,7 +218,7 @@ class LlamaModel:
                 on_layer_done(i)
             return paged_attention(q, k, v, k_pool, v_pool, batch, pool.block_size, self._windows[i],
                                    self.config.attn_scale, self.config.attn_softcap, self.decode_kernel,
-                                   self.prefill_kernel)
+                                   self.prefill_kernel, self.prefill_attn_dtype)
 
         if self._compiled_layers is None:
             return self._layers_forward(batch.input_ids, tables, batch.logits_indices, attend)

@@ -14,6 +14,7 @@ import pytest
 
 import torch
 
+from engine.attention import ForwardBatch, SeqChunk
 from engine.config import CacheConfig
 from engine.flex_prefill import CompiledPrefill
 from engine.paged_decode import CompiledDecode
@@ -23,6 +24,10 @@ from worker.config import WorkerConfig
 from worker.runtime import _own_thread_counts, _pass_thread_counts, _set_attention_kernels
 
 pytestmark = pytest.mark.unit
+
+SLOWER = 0.02
+"""Seconds an injected slowness adds to each call: above any gap between the kernel and SDPA at
+the timed lengths on the tiny model (the kernel was 4 ms slower at 1024 tokens on an AMX core)."""
 
 
 class _NoCompiler(CompiledDecode):
@@ -236,7 +241,7 @@ class _SlowPrefill(CompiledPrefill):
     """Injected fault: the real prompt kernel, made slower than SDPA by a sleep in each call."""
 
     def __call__(self, *args, **kwargs):
-        time.sleep(0.004)
+        time.sleep(SLOWER)
         return super().__call__(*args, **kwargs)
 
 
@@ -244,7 +249,7 @@ def _slow_sdpa(real):
     """Injected fault: torch's SDPA made slower than the kernel by a sleep in each call."""
 
     def sdpa(*args, **kwargs):
-        time.sleep(0.004)
+        time.sleep(SLOWER)
         return real(*args, **kwargs)
     return sdpa
 
@@ -299,7 +304,7 @@ def test_the_prompt_choice_is_timed_once_per_machine_and_read_back_by_later_star
     real = CompiledPrefill.__call__
 
     def slow(self, *args, **kwargs):
-        time.sleep(0.004)
+        time.sleep(SLOWER)
         return real(self, *args, **kwargs)
     monkeypatch.setattr(CompiledPrefill, "__call__", slow)
     model.prefill_kernel = None
@@ -320,3 +325,58 @@ def test_the_prompt_choice_is_timed_once_per_machine_and_read_back_by_later_star
     monkeypatch.setattr("worker.runtime.CompiledPrefill", _SlowPrefill)   # another kernel: its own times
     _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
     assert len(list(tuning_dir.glob("prompt-attention-*.json"))) == 3
+
+
+def test_bfloat16_prompt_attention_is_offered_only_over_a_bfloat16_pool_on_a_native_bfloat16_cpu(monkeypatch):
+    """`prompt_low_dtype`: never for a float32 pool (the reference mode); over a bfloat16 pool,
+    bfloat16 exactly where oneDNN multiplies it natively. `low_precision_wins`: faster at every
+    timed length, a tie or a missing third time counting against it."""
+    from engine import prefill_choice
+    from engine.linear import bf16_matmul_fast
+
+    assert prefill_choice.prompt_low_dtype(_model(5)) is None
+    native = torch.bfloat16 if bf16_matmul_fast() else None
+    assert prefill_choice.prompt_low_dtype(_model(5, kv_dtype=torch.bfloat16)) == native
+    monkeypatch.setattr(prefill_choice, "bf16_matmul_fast", lambda: False)   # as on an AVX2-only CPU
+    assert prefill_choice.prompt_low_dtype(_model(5, kv_dtype=torch.bfloat16)) is None
+    wins = prefill_choice.low_precision_wins
+    assert wins({128: (3.0, 2.0, 1.0), 1024: (3.0, 2.0, 1.9)})
+    assert not wins({128: (3.0, 2.0, 1.0), 1024: (3.0, 2.0, 2.0)}) and not wins({128: (3.0, 2.0)}) and not wins({})
+
+
+def _slow_in(dtype, real):
+    """Injected fault: torch's SDPA made slower by `SLOWER` in each call on ``dtype`` queries."""
+
+    def sdpa(q, *args, **kwargs):
+        if q.dtype == dtype:
+            time.sleep(SLOWER)
+        return real(q, *args, **kwargs)
+    return sdpa
+
+
+@pytest.mark.parametrize("slower", [torch.float32, torch.bfloat16])
+def test_auto_takes_bfloat16_prompt_attention_only_where_it_was_timed_faster(monkeypatch, caplog, slower):
+    """Over a bfloat16 pool on a CPU that multiplies bfloat16 natively (forced here, so the rule
+    runs on any CPU), ``auto`` times SDPA in bfloat16 beside SDPA in float32 and the kernel (made
+    slower than both), takes bfloat16 (``model.prefill_attn_dtype``) where it was faster at every
+    length and keeps float32 where it was not; the prompt pass then attends in what was taken."""
+    monkeypatch.setattr("engine.prefill_choice.bf16_matmul_fast", lambda: True)
+    monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
+                        _slow_in(slower, torch.nn.functional.scaled_dot_product_attention))
+    monkeypatch.setattr("worker.runtime.CompiledPrefill", _SlowPrefill)
+    model = _model(5, kv_dtype=torch.bfloat16)
+    pool = KVPool(TINY, CacheConfig(block_size=4, num_blocks=16, dtype="bfloat16"))
+    model.prefill_attn_dtype = slower   # a previous choice, replaced by this one
+    with caplog.at_level(logging.INFO, logger="worker.runtime"):
+        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    (timed,) = [m for m in caplog.messages if m.startswith("prompt attention: ") and "measured on" in m]
+    assert model.prefill_kernel is None and "us SDPA in bfloat16" in timed
+    if slower == torch.float32:
+        assert model.prefill_attn_dtype == torch.bfloat16 and timed.startswith("prompt attention: SDPA in bfloat16 at")
+    else:
+        assert model.prefill_attn_dtype is None and timed.startswith("prompt attention: SDPA at every length")
+    seen = []
+    monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
+                        lambda q, *a, **kw: seen.append(q.dtype) or torch.zeros_like(q))
+    model.forward(ForwardBatch.build([SeqChunk([1, 2, 3, 4, 5], 0, [0, 1])], 4), pool)
+    assert seen == [model.prefill_attn_dtype or torch.float32] * TINY.num_layers

@@ -236,6 +236,18 @@ def test_padded_prefill_equals_one_call_per_prompt():
     assert batch.to(torch.device("meta")).prefill_pad is not None and batch.to(torch.device("cpu")).prefill_pad is None
 
 
+def _chunks_over_a_bfloat16_pool(gen: torch.Generator, cases: list[tuple[int, int]], kv_heads: int, dim: int,
+                                 block: int):
+    """A prompt pass of ``cases`` (chunk tokens, cached tokens before it) over a random head-major
+    bfloat16 pool of 40 blocks, each chunk's table 10 scattered blocks: ``(pool_k, pool_v, tables,
+    batch)``."""
+    pool_k = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    pool_v = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    tables = torch.randperm(40, generator=gen).view(4, 10).tolist()
+    batch = ForwardBatch.build([SeqChunk([1] * n, past, t) for (n, past), t in zip(cases, tables)], block)
+    return pool_k, pool_v, tables, batch
+
+
 def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
     """A prompt chunk after cached context (a prefix-cache hit, a later chunk of a long prompt) on
     the CPU: the context's keys unmasked and the chunk's own under the causal mask, two flash calls
@@ -247,11 +259,8 @@ def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
 
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, dim, block = 6, 2, 16, 8
-    pool_k = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
-    pool_v = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
-    tables = torch.randperm(40, generator=gen).view(4, 10).tolist()
     cases = [(30, 8), (12, 5), (2, 61), (1, 20)]   # (chunk tokens, cached tokens before it)
-    batch = ForwardBatch.build([SeqChunk([1] * n, past, t) for (n, past), t in zip(cases, tables)], block)
+    pool_k, pool_v, tables, batch = _chunks_over_a_bfloat16_pool(gen, cases, kv_heads, dim, block)
     rows = sum(n for n, _ in cases)
     q = torch.randn(rows, heads, dim, generator=gen) * 4
     out = attention.paged_attention(q, None, None, pool_k, pool_v, batch, block)
@@ -428,3 +437,45 @@ def test_decode_batches_below_the_kernels_min_rows_keep_the_grouped_path():
     assert calls == []
     model.forward(ForwardBatch.build([SeqChunk([1], 3, t) for t in tables], 4), pool)
     assert calls == [3] * TINY.num_layers
+
+
+def test_prompt_chunks_attend_in_the_given_dtype_and_one_token_rows_do_not():
+    """``paged_attention(..., prefill_dtype=torch.bfloat16)`` (`engine.prefill_choice` takes it
+    where it was timed faster): a fresh prompt chunk and a chunk after cached context attend
+    exactly as torch's SDPA / the merged flash calls do in bfloat16 on the queries rounded to it
+    and the pool's K/V, the output back in float32, within bfloat16's tolerance of float32
+    attention and not equal to it; a one-token sequence among them, and soft-capped scores,
+    stay in float32, bit for bit."""
+    import torch.nn.functional as F
+
+    import engine.attention as attention
+
+    gen = torch.Generator().manual_seed(12)
+    heads, kv_heads, dim, block = 6, 2, 16, 8
+    cases = [(30, 8), (12, 0), (1, 20), (17, 0)]   # (chunk tokens, cached tokens before it)
+    pool_k, pool_v, tables, batch = _chunks_over_a_bfloat16_pool(gen, cases, kv_heads, dim, block)
+    assert batch.decode_rows is None   # the one-token sequence goes through the per-chunk loop
+    own = [[t[p // block] * block + p % block for p in range(past, past + n)] for (n, past), t in zip(cases, tables)]
+    k, v = (pool.transpose(1, 2).reshape(-1, kv_heads, dim)[sum(own, [])] for pool in (pool_k, pool_v))
+    q = torch.randn(k.shape[0], heads, dim, generator=gen) * 4
+    out32 = attention.paged_attention(q, k, v, pool_k, pool_v, batch, block)
+    out16 = attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, prefill_dtype=torch.bfloat16)
+    assert out16.dtype == torch.float32
+    first = 0
+    for (n, past), rows in zip(cases, own):
+        got, want32 = out16[first:first + n], out32[first:first + n]
+        if n == 1:
+            assert torch.equal(got, want32)
+        else:
+            qs = q[first:first + n].bfloat16().transpose(0, 1)[None]
+            ctx = [t[p // block] * block + p % block for t in [tables[cases.index((n, past))]] for p in range(past + n)]
+            ks, vs = (pool.transpose(1, 2).reshape(-1, kv_heads, dim)[ctx].transpose(0, 1)[None]
+                      for pool in (pool_k, pool_v))
+            want = (F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True) if past == 0
+                    else attention.causal_after_context(qs, ks, vs, None))
+            assert torch.equal(got, want[0].transpose(0, 1).reshape(n, -1).float())
+            torch.testing.assert_close(got, want32, rtol=3e-2, atol=3e-2)
+            assert (got - want32).abs().max() > 0
+        first += n
+    capped = attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, softcap=5.0, prefill_dtype=torch.bfloat16)
+    assert torch.equal(capped, attention.paged_attention(q, k, v, pool_k, pool_v, batch, block, softcap=5.0))

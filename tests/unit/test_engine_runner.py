@@ -29,7 +29,7 @@ TINY = ModelConfig(name="tiny", vocab_size=64, hidden_size=32, intermediate_size
                    max_position=128, tie_word_embeddings=True)
 
 
-def _model(seed: int = 0, config: ModelConfig = TINY) -> LlamaModel:
+def _model(seed: int = 0, config: ModelConfig = TINY, kv_dtype: torch.dtype | None = None) -> LlamaModel:
     g = torch.Generator().manual_seed(seed)
     c = config
 
@@ -41,7 +41,8 @@ def _model(seed: int = 0, config: ModelConfig = TINY) -> LlamaModel:
                            torch.ones(c.hidden_size), w(2 * c.intermediate_size, c.hidden_size),
                            w(c.hidden_size, c.intermediate_size)) for _ in range(c.num_layers)]
     embed = w(c.vocab_size, c.hidden_size)
-    return LlamaModel(c, LlamaWeights(embed, layers, torch.ones(c.hidden_size), embed), gemv_copies=False)
+    return LlamaModel(c, LlamaWeights(embed, layers, torch.ones(c.hidden_size), embed), gemv_copies=False,
+                      kv_dtype=kv_dtype)
 
 
 @dataclass(eq=False)
