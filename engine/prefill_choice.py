@@ -17,8 +17,8 @@ Where the pool holds bfloat16 K/V and oneDNN multiplies bfloat16 natively (`prom
 SDPA in bfloat16 (the queries rounded to it, the K/V as stored) is timed beside SDPA in the
 attention's float32: with AMX, torch's flash kernel runs its products in bfloat16 several times
 faster (docs/PERFORMANCE.md, "Prompt attention in bfloat16 on an AMX core"); without it, slower
-("Cheaper arithmetic for prompts on this core"). It is taken when faster at every timed length
-(`low_precision_wins`), and the kernel is then timed against it.
+("Beside vLLM on a Zen 5 core and on a Sapphire Rapids core"). It is taken when faster at every
+timed length (`low_precision_wins`), and the kernel is then timed against it.
 """
 
 from __future__ import annotations
