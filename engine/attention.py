@@ -418,12 +418,20 @@ def causal_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     """Causal attention of ``q`` ``[1, heads, n, d]``, the last ``n`` of ``ctx`` positions, over
     ``k``, ``v`` ``[1, kv_heads, ctx, d]`` (query head ``h`` reads KV head ``h // (heads /
     kv_heads)``), on the CPU: the cached context's ``ctx - n`` keys, all visible, and the chunk's
-    own ``n`` under the causal mask as two calls of torch's flash kernel, merged by their
-    log-sum-exps (the merge of attention states of FlashInfer and vLLM's ``merge_attn_states``).
-    One call under an explicit ``[n, ctx]`` mask computes every score of the masked triangle
-    too; the causal call skips its blocks. Returns ``[1, heads, n, d]`` in ``q``'s dtype."""
+    own ``n`` under the causal mask. A context of at most a quarter of the chunk (a chat
+    template's cached prefix): one causal call of torch's flash kernel over ``q`` padded at the
+    front with ``ctx - n`` zero rows (its top-left causal mask then puts query ``i`` at position
+    ``ctx - n + i``), their outputs dropped. A longer one: two calls, the context unmasked and the
+    chunk causal, merged by their log-sum-exps (FlashInfer's and vLLM's ``merge_attn_states``).
+    An explicit ``[n, ctx]`` mask would compute the masked triangle too; a causal call skips its
+    blocks (docs/PERFORMANCE.md, "A short cached context before a prompt chunk"). Returns ``[1,
+    heads, n, d]`` in ``q``'s dtype."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     past = k.shape[2] - q.shape[2]
+    if past * 4 <= q.shape[2]:
+        padded = q.new_zeros(q.shape[0], q.shape[1], k.shape[2], q.shape[3])
+        padded[:, :, past:] = q
+        return flash(padded, k, v, 0.0, True, scale=scale)[0][:, :, past:]
     o_ctx, lse_ctx = flash(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
     o_own, lse_own = flash(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
     lse = torch.logaddexp(lse_ctx, lse_own)

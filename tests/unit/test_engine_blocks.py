@@ -239,27 +239,28 @@ def test_padded_prefill_equals_one_call_per_prompt():
 def _chunks_over_a_bfloat16_pool(gen: torch.Generator, cases: list[tuple[int, int]], kv_heads: int, dim: int,
                                  block: int):
     """A prompt pass of ``cases`` (chunk tokens, cached tokens before it) over a random head-major
-    bfloat16 pool of 40 blocks, each chunk's table 10 scattered blocks: ``(pool_k, pool_v, tables,
-    batch)``."""
-    pool_k = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
-    pool_v = torch.randn(kv_heads, 40, block, dim, generator=gen).bfloat16().transpose(0, 1)
-    tables = torch.randperm(40, generator=gen).view(4, 10).tolist()
+    bfloat16 pool, each chunk's table 10 scattered blocks: ``(pool_k, pool_v, tables, batch)``."""
+    blocks = 10 * len(cases)
+    pool_k = torch.randn(kv_heads, blocks, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    pool_v = torch.randn(kv_heads, blocks, block, dim, generator=gen).bfloat16().transpose(0, 1)
+    tables = torch.randperm(blocks, generator=gen).view(len(cases), 10).tolist()
     batch = ForwardBatch.build([SeqChunk([1] * n, past, t) for (n, past), t in zip(cases, tables)], block)
     return pool_k, pool_v, tables, batch
 
 
 def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
     """A prompt chunk after cached context (a prefix-cache hit, a later chunk of a long prompt) on
-    the CPU: the context's keys unmasked and the chunk's own under the causal mask, two flash calls
-    merged by their log-sum-exps (`engine.attention.causal_after_context`), equal the reference:
-    the whole context gathered from the pool, repeated per query head, under the explicit mask
-    (grouped-query heads, contexts of one block, a partial block, many blocks; a one-token chunk
-    among them; scores scaled so that a wrong merge weight shows)."""
+    the CPU (`engine.attention.causal_after_context`: two flash calls merged by their
+    log-sum-exps, or, for a context of at most a quarter of the chunk, one causal call over the
+    queries padded at the front) equals the reference: the whole context gathered from the pool,
+    repeated per query head, under the explicit mask (grouped-query heads, contexts of one block,
+    a partial block, many blocks; a one-token chunk among them; chunks at and past the quarter;
+    scores scaled so that a wrong merge weight or a misplaced mask shows)."""
     import engine.attention as attention
 
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, dim, block = 6, 2, 16, 8
-    cases = [(30, 8), (12, 5), (2, 61), (1, 20)]   # (chunk tokens, cached tokens before it)
+    cases = [(30, 8), (12, 5), (2, 61), (1, 20), (40, 10), (33, 8)]   # (chunk tokens, cached tokens before it)
     pool_k, pool_v, tables, batch = _chunks_over_a_bfloat16_pool(gen, cases, kv_heads, dim, block)
     rows = sum(n for n, _ in cases)
     q = torch.randn(rows, heads, dim, generator=gen) * 4
@@ -452,7 +453,7 @@ def test_prompt_chunks_attend_in_the_given_dtype_and_one_token_rows_do_not():
 
     gen = torch.Generator().manual_seed(12)
     heads, kv_heads, dim, block = 6, 2, 16, 8
-    cases = [(30, 8), (12, 0), (1, 20), (17, 0)]   # (chunk tokens, cached tokens before it)
+    cases = [(30, 8), (12, 0), (1, 20), (17, 0), (33, 8)]   # (chunk tokens, cached tokens before it)
     pool_k, pool_v, tables, batch = _chunks_over_a_bfloat16_pool(gen, cases, kv_heads, dim, block)
     assert batch.decode_rows is None   # the one-token sequence goes through the per-chunk loop
     own = [[t[p // block] * block + p % block for p in range(past, past + n)] for (n, past), t in zip(cases, tables)]
