@@ -123,6 +123,32 @@ def _all_logprobs(loaded, ids: list[int]) -> torch.Tensor:
     return loaded.model.forward(batch, pool).float().log_softmax(-1)
 
 
+NEAR_TIE = 0.5
+"""Logits by which the reference's greedy token may lead the next one and still be overtaken under
+bfloat16 and 4-bit rounding: the first question's first token, "The", leads "L" by 0.08 in fp32
+mode, and native mode takes "L" on an AMX Xeon (both logits moved by about 0.14), not on a Zen 5."""
+
+
+def _assert_greedy_follows(reference_model, prompts, expected, outputs) -> int:
+    """Each of ``outputs`` (a lower-precision model's greedy tokens for ``prompts``) equals the
+    reference's ``expected`` continuation up to its first difference, which must fall where the
+    reference's greedy token led the next by less than `NEAR_TIE` (teacher-forced along
+    ``expected``; log-probabilities differ as the logits do): a near-tie that rounding may
+    flip, after which the continuations differ by design. A difference at a confident position
+    fails. Returns how many tokens agreed, over all prompts."""
+    agreed = 0
+    for prompt, cont, got in zip(prompts, expected, outputs):
+        first = next((t for t, (g, e) in enumerate(zip(got, cont)) if g != e), len(got))
+        agreed += first
+        if first < len(got):
+            seq = prompt + cont
+            top2 = _all_logprobs(reference_model, seq)[len(prompt) - 1 + first].topk(2).values
+            lead = (top2[0] - top2[1]).item()
+            assert lead < NEAR_TIE, (f"greedy differs at token {first} ({got[first]} for {cont[first]}) where "
+                                     f"the reference led by {lead:.3f}", got, cont[:len(got)])
+    return agreed
+
+
 def _teacher_forced_kl(reference_model, model, prompts, expected) -> tuple[torch.Tensor, float]:
     """KL(reference || model) in nats at every continuation position of each prompt + its
     expected continuation, teacher-forced (one tensor), and the share of positions whose top-1
@@ -151,10 +177,10 @@ def test_lower_precision_weights_match_the_dequantized_reference(smollm, referen
     the difference is bfloat16 rounding of the matmul inputs, of the activations between them
     where the CPU multiplies bfloat16 natively (`LlamaModel._bf16_activations`), and of the LM
     head: the weights decode exactly,
-    tests/unit/test_engine_quant.py.) Greedy decoding answers the first question
-    as fp32 does for 16 tokens (bf16 did not, before RMSNorm ran in float32 as transformers' does;
-    later tokens may differ: bf16 diverges at token 19 of 64). The same holds through the fused
-    operators between the matmuls (`engine.glue.CompiledGlue`)."""
+    tests/unit/test_engine_quant.py.) Greedy decoding of every question for 16 tokens follows
+    fp32's up to a near-tie of fp32's logits (`_assert_greedy_follows`; bf16 diverged at a
+    confident position before RMSNorm ran in float32 as transformers' does). The same holds
+    through the fused operators between the matmuls (`engine.glue.CompiledGlue`)."""
     from engine.glue import CompiledGlue
     from engine.linear import bf16_matmul_fast
     from engine.loader import build_generator, load_model
@@ -180,7 +206,8 @@ def test_lower_precision_weights_match_the_dequantized_reference(smollm, referen
         assert top1 >= 0.95, (glue, top1)
         gen = build_generator(native, CacheConfig(num_blocks=64, dtype=native.kv_dtype))
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-        assert gen.generate(prompts[:1], params)[0].token_ids == expected[0][:16]   # "... Paris." and on
+        outputs = [gen.generate([p], params)[0].token_ids for p in prompts]   # one row a step: the int8 head
+        _assert_greedy_follows(smollm, prompts, expected, outputs)
         assert gen.num_free_blocks == 64
     assert len(glues) == 2   # native (float32 activations or bfloat16) and bf16 weights take the glue
 
@@ -199,7 +226,7 @@ def test_native_low_bit_kernels_match_the_dequantized_reference(smollm, referenc
     arithmetic for Q4 weights, `engine.mlas`) a wider one. Measured over the 512 positions on an
     AVX2 Zen 3 EPYC: int4 mean KL 2.9e-4, 99th percentile 0.0022, max 0.0076, 99.2% top-1; nbits
     3.0e-3, 0.026, 0.040, 97.7% (so it fails int4's tolerance). Greedy decoding, through the
-    kernel the model keeps for few rows, answers the first question as fp32 does for 16 tokens."""
+    kernel the model keeps for few rows, follows fp32's as the test above states."""
     import engine.quant
     from engine.loader import build_generator, load_model
     from engine.quant import Int4Linear, int4_kernel_available
@@ -223,7 +250,8 @@ def test_native_low_bit_kernels_match_the_dequantized_reference(smollm, referenc
         p.set_max_rows(native.model.max_int4_rows)
     gen = build_generator(native, CacheConfig(num_blocks=64, dtype=native.kv_dtype))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    assert gen.generate(prompts[:1], params)[0].token_ids == expected[0][:16]
+    outputs = [gen.generate([p], params)[0].token_ids for p in prompts]   # one row a step: the kept kernel
+    _assert_greedy_follows(smollm, prompts, expected, outputs)
     assert gen.num_free_blocks == 64
 
 @pytest.mark.cuda
