@@ -345,7 +345,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     low = q.dtype if prefill_dtype is None or softcap is not None or q.device.type != "cpu" else prefill_dtype
     pad = batch.prefill_pad
     if pad is not None and softcap is None and (window is None or pad[0] <= window):
-        return _padded_prefill(q, k, v, pad, len(batch.seq_ranges), scale, low).to(q.dtype)
+        return _padded_prefill(q, k, v, pad, len(batch.seq_ranges), scale)   # off the CPU: in q's dtype
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if batch.decode_rows is not None:
         out[batch.decode_rows] = _decode_attention(q.index_select(0, batch.decode_rows), k_pool, v_pool,
@@ -381,18 +381,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _padded_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tuple[int, torch.Tensor], seqs: int,
-                    scale: float | None, dtype: torch.dtype) -> torch.Tensor:
-    """`paged_attention` of a pass of ``seqs`` whole prompts as one causal SDPA in ``dtype`` over
-    their rows right-padded to ``pad = (L, index)`` (`ForwardBatch.plan_padded_prefill`); padded
-    rows are zeros and are dropped. Returns ``[T, heads * head_dim]`` in ``dtype``."""
+                    scale: float | None) -> torch.Tensor:
+    """`paged_attention` of a pass of ``seqs`` whole prompts as one causal SDPA over their rows
+    right-padded to ``pad = (L, index)`` (`ForwardBatch.plan_padded_prefill`); padded rows are
+    zeros and are dropped. Returns ``[T, heads * head_dim]`` in ``q``'s dtype."""
     longest, index = pad
     rows, heads, dim = q.shape
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         if index is None:   # prompts of one length: the rows are the batch already
-            return x.to(dtype).view(seqs, longest, x.shape[1], dim).transpose(1, 2)
-        out = x.new_zeros((seqs * longest, x.shape[1], dim), dtype=dtype)
-        out.index_copy_(0, index, x.to(dtype))
+            return x.to(q.dtype).view(seqs, longest, x.shape[1], dim).transpose(1, 2)
+        out = x.new_zeros((seqs * longest, x.shape[1], dim), dtype=q.dtype)
+        out.index_copy_(0, index, x.to(q.dtype))
         return out.view(seqs, longest, x.shape[1], dim).transpose(1, 2)
 
     o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, enable_gqa=True, scale=scale)

@@ -166,7 +166,8 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
     entry, how = kept_timings("prompt-attention", identity, _SOURCES, measure, check)
     times = {int(n): tuple(ways) for n, ways in entry["times"].items()}
     model.prefill_attn_dtype = low if low_precision_wins(times) else None
-    sdpa = "SDPA" if model.prefill_attn_dtype is None else f"SDPA in {str(low).removeprefix('torch.')}"
+    low_name = str(low).removeprefix("torch.")
+    sdpa = "SDPA" if model.prefill_attn_dtype is None else f"SDPA in {low_name}"
     start = kernel_from({n: (ways[0], ways[2] if model.prefill_attn_dtype is not None else ways[1])
                          for n, ways in times.items()})
     if start is None:
@@ -176,6 +177,6 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
     choice = f"{sdpa} at every length" if start is None else f"compiled from {kernel.min_tokens} tokens up, {sdpa} below"
     return f"{choice} (measured on {threads} thread(s): " + ", ".join(
         f"{n} tokens {ways[0] * 1e6:.0f} us compiled against {ways[1] * 1e6:.0f} us SDPA"
-        + (f" and {ways[2] * 1e6:.0f} us SDPA in {str(low).removeprefix('torch.')}" if len(ways) == 3 else "")
+        + (f" and {ways[2] * 1e6:.0f} us SDPA in {low_name}" if len(ways) == 3 else "")
         for n, ways in sorted(times.items())
     ) + f"; {how})"

@@ -129,24 +129,21 @@ bfloat16 and 4-bit rounding: the first question's first token, "The", leads "L" 
 mode, and native mode takes "L" on an AMX Xeon (both logits moved by about 0.14), not on a Zen 5."""
 
 
-def _assert_greedy_follows(reference_model, prompts, expected, outputs) -> int:
+def _assert_greedy_follows(reference_model, prompts, expected, outputs) -> None:
     """Each of ``outputs`` (a lower-precision model's greedy tokens for ``prompts``) equals the
     reference's ``expected`` continuation up to its first difference, which must fall where the
     reference's greedy token led the next by less than `NEAR_TIE` (teacher-forced along
     ``expected``; log-probabilities differ as the logits do): a near-tie that rounding may
     flip, after which the continuations differ by design. A difference at a confident position
-    fails. Returns how many tokens agreed, over all prompts."""
-    agreed = 0
+    fails."""
     for prompt, cont, got in zip(prompts, expected, outputs):
         first = next((t for t, (g, e) in enumerate(zip(got, cont)) if g != e), len(got))
-        agreed += first
         if first < len(got):
             seq = prompt + cont
             top2 = _all_logprobs(reference_model, seq)[len(prompt) - 1 + first].topk(2).values
             lead = (top2[0] - top2[1]).item()
             assert lead < NEAR_TIE, (f"greedy differs at token {first} ({got[first]} for {cont[first]}) where "
                                      f"the reference led by {lead:.3f}", got, cont[:len(got)])
-    return agreed
 
 
 def _teacher_forced_kl(reference_model, model, prompts, expected) -> tuple[torch.Tensor, float]:
