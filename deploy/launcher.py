@@ -206,6 +206,22 @@ the pass a thread on a borrowed CPU stops spinning beside that CPU's owner 30x s
 docs/PERFORMANCE.md, "Lending idle CPUs")."""
 
 
+THREAD_BINDING_VARS = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+"""Environment variables by which a user binds OpenMP threads himself; with any set, `Cluster`
+leaves the binding to them."""
+
+
+def thread_places(own: tuple[int, ...], lent: set[int]) -> str:
+    """libgomp's ``OMP_PLACES`` for a pinned worker: one place per CPU, its own CPUs first (in
+    order), then those it may borrow. With ``OMP_PROC_BIND=close`` libgomp binds the master
+    thread of each OpenMP team to the first place and its i-th thread to place i (OpenMP 5.2,
+    sections 6.4-6.5 "OMP_PLACES", "OMP_PROC_BIND"; vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` binds
+    one thread per core the same way), so a pass's threads never share a CPU while another is
+    free, and a pass that borrows N CPUs runs its extra threads on exactly those.
+    ``thread_places((1,), {0})`` is ``"{1},{0}"``."""
+    return ",".join(f"{{{c}}}" for c in [*own, *sorted(set(lent) - set(own))])
+
+
 def _pinned_child(cpus: set[int]):
     def setup() -> None:  # runs in the child between fork and exec
         _die_with_parent()
@@ -292,6 +308,14 @@ class Cluster:
                 out.add(name)
         return out
 
+    def binds_threads(self, name: str) -> bool:
+        """Whether `_spawn` binds worker ``name``'s OpenMP threads one per CPU (`thread_places`):
+        a pinned CPU worker at TP 1 whose threads do not share its CPUs with another worker's
+        (not `oversubscribed`). Tensor-parallel ranks are left alone: their follower processes
+        would inherit the binding of rank 0's first CPU."""
+        return (name in self.cpus and self.config.device == "cpu" and self._tp(name) == 1
+                and name not in self.passive)
+
     def _worker_argv(self, name: str) -> list[str]:
         c = self.config
         role = name.split("-")[0]
@@ -333,6 +357,9 @@ class Cluster:
             elif child.name in self.lent:   # a borrowed CPU's thread stops spinning soon after its pass
                 env["GOMP_SPINCOUNT"] = str(LENDING_SPIN_COUNT)
         cpus = self.cpus.get(child.name)
+        if self.binds_threads(child.name) and not set(THREAD_BINDING_VARS) & set(os.environ):
+            env["OMP_PLACES"] = thread_places(cpus, self.lent.get(child.name, set()))
+            env["OMP_PROC_BIND"] = "close"
         with open(child.log_path, "ab") as log:
             child.popen = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -25,6 +25,50 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "onednn", "torch")
 
 
+BUCKET_FROM_ROWS = 64
+"""Row counts above this are padded to a bucket (`bucket_rows`) before a oneDNN multiply."""
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a oneDNN multiply of ``rows`` rows runs at: ``rows`` up to
+    `BUCKET_FROM_ROWS`, else ``rows`` rounded up to a multiple of an eighth of its power of two
+    (at least 16): 300 -> 320, 1100 -> 1152. At most 1/8 of the rows are padding (zero rows, whose
+    outputs are dropped), and prompt chunks up to 8192 tokens take 52 buckets.
+
+    Why: oneDNN builds (JIT-compiles) a matmul primitive for each shape it meets, the row count
+    included, and caches it (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; oneDNN's "Primitive Cache"
+    documentation). Prompt chunks of every length each built four (a layer's projections) per
+    thread count, milliseconds apiece, on every pass of a chat workload's spread of lengths
+    (measured: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"). Decode batches (up to
+    `BUCKET_FROM_ROWS` rows) keep their own sizes: few, and all cached."""
+    if rows <= BUCKET_FROM_ROWS:
+        return rows
+    step = max(16, (1 << (rows.bit_length() - 1)) // 8)
+    return -(-rows // step) * step
+
+
+def warm_row_buckets(kernels: list, max_rows: int, counts) -> int:
+    """Build oneDNN's primitives for every row bucket above `BUCKET_FROM_ROWS` up to
+    ``max_rows``'s, by one multiply of zeros through each of ``kernels`` (one layer's
+    projections: `Linear`, `engine.quant.Int4Linear`, whose many-row path is a bucketed `Linear`;
+    each with ``in_features`` and ``dtype``) at each bucket, on each torch thread count in
+    ``counts`` (a primitive is built for one count); returns the multiplies run. The thread count
+    is restored on return. A primitive serves every weight of its shape, so one layer's kernels
+    warm every layer."""
+    threads, calls = torch.get_num_threads(), 0
+    buckets = sorted({bucket_rows(r) for r in range(BUCKET_FROM_ROWS + 1, max_rows + 1)})
+    try:
+        for count in counts:
+            torch.set_num_threads(count)
+            for rows in buckets:
+                for kernel in kernels:
+                    kernel(torch.zeros(rows, kernel.in_features, dtype=kernel.dtype))
+                    calls += 1
+    finally:
+        torch.set_num_threads(threads)
+    return calls
+
+
 def onednn_available() -> bool:
     """True when this torch build has oneDNN's packed-weight linear ops and they are correct."""
     if not torch.backends.mkldnn.is_available():
@@ -74,11 +118,14 @@ class Linear:
             (`gemv_copy_pays` decides; docs/PERFORMANCE.md, "Linear kernels"), at the cost of a
             second copy of the weight (none when ``weight`` is also held elsewhere, e.g. a tied
             embedding).
-    Call with ``x``: ``[tokens, in_features]``, same dtype; returns ``[tokens, out_features]``.
+    Call with ``x``: ``[tokens, in_features]``, same dtype; returns ``[tokens, out_features]``
+    (with ``onednn``, above `BUCKET_FROM_ROWS` rows, a contiguous view of the first ``tokens`` rows
+    of a `bucket_rows` result: `packed`).
     """
 
     def __init__(self, weight: torch.Tensor, backend: str, gemv_copy: bool = False):
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self._plain = None
         if backend == "onednn" and weight.dtype == torch.bfloat16 and not bf16_matmul_fast():
             # oneDNN refuses to pack bfloat16 without AVX512-BF16/AVX-NE-CONVERT (AVX2 CPUs)
@@ -100,7 +147,14 @@ class Linear:
         self._plain = None
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` through oneDNN's packed weight, whatever the row count."""
+        """``x @ W.T`` through oneDNN's packed weight, whatever the row count: above
+        `BUCKET_FROM_ROWS` rows, ``x`` padded with zero rows to `bucket_rows` and the result's
+        first rows returned (a contiguous view)."""
+        rows = x.shape[0]
+        padded = bucket_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+            return torch.ops.mkldnn._linear_pointwise(x, self._w, None, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._w, None, "none", [], "")
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +165,7 @@ class Linear:
         if self.backend == "onednn":
             if self._plain is not None and x.shape[0] == 1:
                 return F.linear(x, self._plain)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._w, None, "none", [], "")
+            return self.packed(x)
         return F.linear(x, self._w)
 
 

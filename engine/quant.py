@@ -235,6 +235,7 @@ class Int4Linear:
                                       offset=zero.numpy() if bool(zero.any()) else None)
         self._dense_dtype = dense_dtype()
         self._dense = Linear(weight.dequantize().to(self._dense_dtype), dense_backend)
+        self.dtype = self._dense_dtype   # what its dense path multiplies in (`engine.linear.warm_row_buckets`)
 
     def set_max_rows(self, rows: int) -> None:
         """Use the low-bit kernel up to ``rows`` rows from now on (at every thread count)."""

@@ -16,11 +16,16 @@ borrowers only read, so the board needs no lock (a stale read costs at most one 
 
 - as owner, `CpuLending.busy` marks its own CPUs when its loop finds work or waits for it;
 - as borrower, for a pass of at least ``parallel_min_tokens`` tokens (`engine.runner.ModelRunner`)
-  `CpuLending.take` takes the lent CPUs that are idle now: the calling thread's affinity widens
-  to them for the pass (the pass's extra OpenMP threads, created or woken by it, run there), and
+  `CpuLending.take` takes the lent CPUs that are idle now: the pass runs one more torch thread
+  per CPU taken. The launcher binds a worker's OpenMP threads one per CPU, its own first and the
+  lent ones after (`deploy.launcher.thread_places`, ``OMP_PROC_BIND=close``), so the extra
+  threads run on the lent CPUs and the calling thread stays on its own; a worker started without
+  that binding widens the calling thread's affinity to the lent CPUs for the pass instead (the
+  extra threads, created or woken by it, may then run there, but the scheduler may also keep two
+  of the pass's threads on one CPU: docs/PERFORMANCE.md, "Borrowed passes with bound threads"), and
   `CpuLending.reclaimed` tells the runner at each layer whether an owner wants its CPU back,
   when the pass drops to its own threads for the next layers (taking the CPUs again at a later
-  layer where they are idle again). `CpuLending.give_back` narrows the affinity again. A worker's other threads stay on its own CPUs.
+  layer where they are idle again). `CpuLending.give_back` ends the loan (narrowing a widened affinity). A worker's other threads stay on its own CPUs.
 
 The worker's process is started with its own CPUs and the lent ones allowed (libgomp counts the
 CPUs it may use when torch loads, and spins at its barriers only while its threads fit them:
@@ -31,8 +36,10 @@ main thread, and every thread it starts, on the worker's own CPUs. Linux only
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -82,12 +89,37 @@ class CpuBoard:
         self._map.close()
 
 
+def omp_binds_threads(environ=os.environ) -> bool:
+    """Whether libgomp binds this process's OpenMP threads to places (``OMP_PLACES`` set and
+    ``OMP_PROC_BIND`` neither unset nor ``false``; OpenMP 5.2, section 6.5)."""
+    bind = environ.get("OMP_PROC_BIND", "").strip().lower()
+    return bool(environ.get("OMP_PLACES", "").strip()) and bind not in ("", "false")
+
+
+def process_cpus(environ=os.environ) -> set[int]:
+    """The CPUs this process was started on. libgomp binds the initial thread to the first place
+    of ``OMP_PLACES`` when it loads (with torch), so the calling thread's affinity is the answer
+    only without binding; with it, the places written one CPU each (``{1},{0}``, as
+    `deploy.launcher.thread_places` writes them) are. Other ``OMP_PLACES`` forms: the calling
+    thread's affinity."""
+    places = environ.get("OMP_PLACES", "").strip()
+    if omp_binds_threads(environ) and re.fullmatch(r"\{\d+\}(,\{\d+\})*", places):
+        return {int(c) for c in re.findall(r"\d+", places)}
+    return set(os.sched_getaffinity(0))
+
+
 class CpuLending:
     """One worker's side of the board (module doc): ``own`` CPUs it marks, ``lent`` CPUs it may
     borrow. Raises ValueError when the two overlap or ``own`` is empty."""
 
-    def __init__(self, board: CpuBoard, own: Iterable[int], lent: Iterable[int]):
+    def __init__(self, board: CpuBoard, own: Iterable[int], lent: Iterable[int], threads_bound: bool = False):
+        """``threads_bound``: libgomp binds the worker's OpenMP threads one per CPU, own CPUs
+        first (`omp_binds_threads`; the launcher's `deploy.launcher.thread_places`): a loan then
+        only changes the pass's thread count, its extra threads already on the lent CPUs, and the
+        calling thread stays on its own (widened instead, it and a thread on a lent CPU could
+        both be scheduled on one CPU for a whole pass)."""
         self.board = board
+        self.threads_bound = threads_bound
         self.own = frozenset(own)
         self.lent = tuple(sorted(set(lent)))
         if not self.own or self.own & set(self.lent):
@@ -107,9 +139,14 @@ class CpuLending:
             self._busy = flag
 
     def take(self) -> int:
-        """Take the lent CPUs idle now for one pass; returns how many (0: none, nothing changed)."""
-        self._taken = self.board.idle(self.lent)
-        if self._taken:
+        """Take the lent CPUs idle now for one pass; returns how many (0: none, nothing changed).
+        With ``threads_bound`` only the idle ones before the first busy one in ``lent`` order:
+        libgomp puts a team's i-th extra thread on the i-th lent place whichever CPU is idle."""
+        idle = self.board.idle(self.lent)
+        if self.threads_bound:
+            idle = list(itertools.takewhile(lambda c: c in idle, self.lent))
+        self._taken = idle
+        if self._taken and not self.threads_bound:
             os.sched_setaffinity(0, self.own | set(self._taken))
         return len(self._taken)
 
@@ -121,7 +158,8 @@ class CpuLending:
         """End the pass's loan: the calling thread back on the own CPUs."""
         if self._taken:
             self._taken = []
-            os.sched_setaffinity(0, self.own)
+            if not self.threads_bound:
+                os.sched_setaffinity(0, self.own)
 
     def close(self) -> None:
         """Mark the own CPUs busy (a worker gone lends nothing) and unmap the board."""

@@ -26,6 +26,7 @@ import torch
 
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
+from engine.linear import BUCKET_FROM_ROWS, warm_row_buckets
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
@@ -43,15 +44,17 @@ from rpc import PROTOCOL_VERSION
 from rpc.auth import TLSFiles
 from rpc import pdserve_pb2 as pb
 from worker.config import WorkerConfig
-from worker.cpu_board import CpuBoard, CpuLending
+from worker.cpu_board import CpuBoard, CpuLending, omp_binds_threads, process_cpus
 from worker.registration import RegistrationClient
 from worker.rpcserver import AioServer
 
 log = logging.getLogger(__name__)
 
-PREFILL_KERNEL_CACHE = 64
+PREFILL_KERNEL_CACHE = 320
 """oneDNN primitives a prefill worker keeps cached (oneDNN's cache and ideep's, each): a pass
-reuses ~6 matmul shapes on every layer, and the next pass usually has another row count."""
+reuses ~6 matmul shapes on every layer, at a row count bucketed by `engine.linear.bucket_rows`
+(36 buckets up to the default 2048 tokens a pass, 4 projection shapes each per thread count, 1
+and 2, fit: `_warm_row_buckets` builds them at start-up)."""
 MALLOC_ARENAS = 2
 """glibc malloc arenas a prefill worker may create (``M_ARENA_MAX``)."""
 _M_ARENA_MAX = -8   # mallopt parameter (glibc malloc.h)
@@ -61,9 +64,9 @@ def bound_native_memory(role: str) -> None:
     """Keep a prefill worker's resident memory flat over a long run (docs/PERFORMANCE.md, "Memory
     over a long run"); the decode worker, whose shapes are few, is left as it is.
 
-    Every prefill pass has its own row count, and each new shape of a oneDNN matmul is a new
-    primitive, cached by oneDNN and by ideep (1024 entries each by default, ~0.5 MB apiece): the
-    caches fill for the first hour or so. Both are bounded to `PREFILL_KERNEL_CACHE` entries
+    Every prefill pass has its own row count (bucketed: `engine.linear.bucket_rows`), and each new
+    shape of a oneDNN matmul is a new primitive, cached by oneDNN and by ideep (1024 entries each by
+    default, ~0.5-0.8 MB apiece): the caches fill for the first hour or so. Both are bounded to `PREFILL_KERNEL_CACHE` entries
     (through their environment variables, read at their first use: call this before the model is
     loaded; values already in the environment win), and the process gets at most
     `MALLOC_ARENAS` glibc arenas. glibc's mmap threshold is left dynamic: fixing it low (every
@@ -182,6 +185,19 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
             log.info("prompt attention: %s", choose_prefill_lengths(model, kernel, *pool.layer_view(0), config.threads))
 
 
+def _warm_row_buckets(config: WorkerConfig, model) -> None:
+    """Build oneDNN's matmul primitives for every row bucket of a prompt pass up to
+    ``max_num_batched_tokens`` (`engine.linear.bucket_rows`) on each thread count such a pass
+    may run on, before the first request rather than on the first pass of each bucket (a few
+    milliseconds per shape: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"); logs
+    the time."""
+    t0 = time.perf_counter()
+    counts = _pass_thread_counts(config, BUCKET_FROM_ROWS + 1)
+    calls = warm_row_buckets(model.projection_kernels(), config.max_num_batched_tokens, counts)
+    log.info("projection row buckets: %d matmul primitive(s) built up to %d rows on thread counts %s in %.1f s",
+             calls, config.max_num_batched_tokens, counts, time.perf_counter() - t0)
+
+
 def _measure_decode_rows(config: WorkerConfig, model, pool: KVPool, kernel: CompiledDecode) -> None:
     """Set the decode kernel's ``min_rows`` by timing it against the grouped path on this CPU
     (the model's ``measure_decode_rows``), each batch size on the thread count its pass runs on
@@ -279,6 +295,8 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
         loaded.model.call("kv_buffer", shared is not None)
     pool = make_pool(loaded, cache, buffer)
     _set_attention_kernels(config, loaded.model, pool)
+    if config.device == "cpu" and hasattr(loaded.model, "projection_kernels"):
+        _warm_row_buckets(config, loaded.model)
     if not config.enforce_eager:
         seconds = loaded.model.warm_up(pool)
         log.info("compiled the model's layers in %.1f s (inductor's cache: %s)", seconds,
@@ -394,18 +412,18 @@ def lending_of(config: WorkerConfig) -> CpuLending | None:
     if not config.cpu_board:
         return None
     lent = set(config.lent_cpus())
-    own = set(os.sched_getaffinity(0)) - lent
+    own = process_cpus() - lent
     if not own:
         raise ValueError(f"borrow_cpus {sorted(lent)} leave this worker no CPU of its own")
-    return CpuLending(CpuBoard(config.cpu_board), own, lent)
+    return CpuLending(CpuBoard(config.cpu_board), own, lent, threads_bound=omp_binds_threads())
 
 
 def pin_to_own_cpus(config: WorkerConfig) -> None:
     """With CPU lending, keep the main thread and every thread started after this on the worker's
-    own CPUs (its affinity less the lent ones); the process was allowed the lent ones too, so
+    own CPUs (`process_cpus` less the lent ones); the process was allowed the lent ones too, so
     that libgomp counts them (`worker.cpu_board`)."""
     if config.cpu_board:
-        own = set(os.sched_getaffinity(0)) - set(config.lent_cpus())
+        own = process_cpus() - set(config.lent_cpus())
         if own:
             os.sched_setaffinity(0, own)
 

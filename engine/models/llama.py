@@ -42,16 +42,12 @@ log = logging.getLogger(__name__)
 
 class LlamaModel:
     """Forward pass over a `ForwardBatch` (an `engine.models.base.CausalLM`). The model holds no
-    per-request state: K/V live in the `KVPool` passed to `forward`.
-
-    Building it takes the weights over: each layer's projections (and experts) are packed into
-    the model's kernels and then dropped from the `LlamaWeights` passed in (set to None, as is
-    its ``lm_head``), one projection (expert) at a time, so that loading never holds a second
-    full copy of the weights (each is large enough for a mapping of its own, so freeing it returns
-    its pages at once). The caller must not use that weights object again (build a second model
-    from freshly loaded weights); the model keeps the embedding, norms and biases it references,
-    and a float32 projection's original stays its gemv copy when those are kept.
-    """
+    per-request state: K/V live in the `KVPool` passed to `forward`. Building it takes the weights
+    over: each layer's projections (and experts) are packed into the model's kernels and dropped
+    from the `LlamaWeights` passed in (set to None, as is its ``lm_head``), one at a time, so that
+    loading never holds a second full copy of the weights (each is large enough for a mapping of
+    its own, so freeing it returns its pages at once). The caller must not use that weights object
+    again; the model keeps the embedding, norms, biases, and float32 originals as gemv copies."""
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, linear_backend: str = "auto",
                  max_int4_rows: int | None = None, max_int8_head_rows: int | str | None = "default",
@@ -184,6 +180,10 @@ class LlamaModel:
                 and all(e is None for e in self._experts)
                 and all(a is not None and f is not None and a.dim() == f.dim() == 1 for a, f in self._norms))
         return self._glue_applies
+
+    def projection_kernels(self) -> list:
+        """The first layer's projection kernels (`Linear`, `Int4Linear`): every layer's have their shapes."""
+        return [p for p in vars(self._layers[0]).values() if p is not None]
 
     def kv_layers(self) -> list[LayerKV]:
         """Every layer stores ``num_kv_heads`` K and V heads of ``head_dim`` per token (with

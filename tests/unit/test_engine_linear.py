@@ -1,5 +1,6 @@
 """engine/linear.py: the one-row gemv copies are kept only where timing at load finds them
-faster, and then consistently for every projection."""
+faster, and then consistently for every projection; many-row inputs padded to a few row buckets
+(and those warmed) so that oneDNN builds few primitives."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import time
 
 import torch
 
-from engine.linear import Linear, gemv_copy_pays, onednn_available
+from engine.linear import (BUCKET_FROM_ROWS, Linear, bf16_matmul_fast, bucket_rows, gemv_copy_pays, onednn_available,
+                           warm_row_buckets)
 
 
 class _TimedPaths:
@@ -53,3 +55,57 @@ def test_the_models_choice_holds_for_every_projection():
     assert {p.has_gemv_copy for p in linears} == {m.model.gemv_copies}
     m = load_model(weights="fp32", gemv_copies=False)   # a prefill worker: never a copy
     assert not m.model.gemv_copies
+
+
+def test_row_buckets_bound_the_padding_and_the_shapes():
+    """`bucket_rows`: decode-sized inputs keep their rows; above `BUCKET_FROM_ROWS`, at least the
+    rows, at most an eighth more, from a small set (52 row counts for any prompt up to 8192)."""
+    assert [bucket_rows(r) for r in (1, 7, 32, BUCKET_FROM_ROWS)] == [1, 7, 32, BUCKET_FROM_ROWS]
+    assert [bucket_rows(r) for r in (65, 300, 320, 321, 1100, 8192)] == [80, 320, 320, 352, 1152, 8192]
+    for rows in range(BUCKET_FROM_ROWS + 1, 8193):
+        b = bucket_rows(rows)
+        assert rows <= b <= rows + max(16, rows // 8) and b == bucket_rows(b)
+    assert len({bucket_rows(r) for r in range(BUCKET_FROM_ROWS + 1, 8193)}) == 52
+
+
+def test_a_padded_multiply_returns_exactly_the_rows_asked():
+    """Above `BUCKET_FROM_ROWS` rows the oneDNN path multiplies zero-padded inputs: the result
+    has the input's rows, contiguous, each the row's own product (a wrong slice or padding
+    offset fails), in float32 and, where oneDNN multiplies it natively, bfloat16."""
+    if not onednn_available():
+        import pytest
+
+        pytest.skip("this torch build has no oneDNN packed linear")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen)
+    dtypes = [torch.float32] + ([torch.bfloat16] if bf16_matmul_fast() else [])
+    for dtype in dtypes:
+        lin = Linear(w.to(dtype), "onednn")
+        for rows in (BUCKET_FROM_ROWS, BUCKET_FROM_ROWS + 1, 300, 321):
+            x = torch.randn(rows, 64, generator=gen).to(dtype)
+            y = lin(x)
+            assert y.shape == (rows, 96) and y.is_contiguous() and y.dtype == dtype
+            ref = torch.nn.functional.linear(x.float(), w.to(dtype).float())
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * 8)
+
+
+def test_warming_the_buckets_runs_each_kernel_at_each_bucket_and_thread_count():
+    if not onednn_available():
+        import pytest
+
+        pytest.skip("this torch build has no oneDNN packed linear")
+    seen = []
+
+    class Recording(Linear):   # the real kernel, its calls recorded
+        def __call__(self, x):
+            seen.append((x.shape[0], torch.get_num_threads()))
+            return super().__call__(x)
+
+    kernels = [Recording(torch.randn(32, 16), "onednn"), Recording(torch.randn(8, 16), "onednn")]
+    threads = torch.get_num_threads()
+    calls = warm_row_buckets(kernels, 300, (1, 2))
+    buckets = [80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320]
+    assert calls == len(seen) == len(buckets) * 2 * 2
+    assert sorted(set(seen)) == sorted((b, n) for b in buckets for n in (1, 2))
+    assert torch.get_num_threads() == threads
