@@ -88,6 +88,17 @@ class WarmupQueue:
                                    need_logits=False))]
         return []
 
+    def expire(self) -> list[PrefillJob]:
+        """Drop the warm-ups not started whose lease has passed, while none may run (the worker
+        defers them: `prefill.worker`); returns them, failed with `WarmupDropped`, to be retired
+        as `next_chunk`'s are."""
+        now = time.monotonic()
+        gone = [job for job in self._jobs if not job.block_table and now >= job.deadline]
+        for job in gone:
+            self._jobs.remove(job)
+            job.fail(WarmupDropped(f"warm-up {job.request_id} dropped: its lease passed while deferred"))
+        return gone
+
     def chunk_done(self, job: PrefillJob) -> bool:
         """After a pass of ``job`` counted its tokens: True (and the job leaves the queue, moved
         to TRANSFERRING, to be retired) when it has computed everything."""

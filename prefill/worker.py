@@ -27,7 +27,8 @@ which is the "abort acknowledged" the decode side's block-reuse rule relies on. 
 job (its plan, its sampling, its peer) never fails its batch-mates.
 
 Warm-ups (`warm`, prefix caching only; `prefill.warmup`): computing a finished request's prompt +
-output into the prefix cache, lowest priority, preempted between layers by any prefill.
+output into the prefix cache, lowest priority, preempted between layers by any prefill, and with
+CPU lending run only while the workers that may borrow this CPU wait for work.
 
 Passes run through the engine's `engine.runner.ModelRunner` (blocks, prefix cache, forward,
 sampling) and their prompts are chosen by `engine.scheduling.fill_pass`, as in the generator; the
@@ -259,7 +260,10 @@ class PrefillWorker:
             batch.append((job, SeqChunk(job.prompt_token_ids[job.num_computed:end], job.num_computed,
                                         job.block_table, need_logits=end == len(job.prompt_token_ids),
                                         prompt_logits=job.params.prompt_logprobs is not None)))
-        if not self._queue:
+        if not self._queue and self._neighbour_busy():   # deferred: only the expired leave
+            for job in self._warmups.expire():
+                self.sender.finish(job)
+        elif not self._queue:
             batch += self._warmups.next_chunk(self.res.config.warmup_chunk_tokens, self._take_blocks,
                                               self.sender.finish)
         return batch
@@ -309,11 +313,22 @@ class PrefillWorker:
                 for job, _ in batch:
                     self.sender.finish(job)
 
+    def _neighbour_busy(self) -> bool:
+        """With CPU lending (`worker.cpu_board`), whether a worker that may borrow this one's CPU
+        has work: a warm-up (speculative) then waits, and the idle CPU goes to that worker's
+        passes instead (measured: docs/PERFORMANCE.md, "Warm-ups yield the CPU to a busy decode
+        worker")."""
+        lending = self.res.lending
+        return lending is not None and len(lending.board.idle(lending.lent)) < len(lending.lent)
+
     def _yield_to_prefills(self, layer: int) -> None:
-        """A warm-up pass's layer callback: raise `Preempted` once a prefill is queued (read
-        without the lock: a stale answer costs one layer)."""
+        """A warm-up pass's layer callback: raise `Preempted` once a prefill is queued or a
+        neighbour that may borrow the CPU has work (`_neighbour_busy`; read without the lock: a
+        stale answer costs one layer)."""
         if self._queue:
             raise Preempted(f"a prefill arrived at layer {layer}")
+        if self._neighbour_busy():
+            raise Preempted(f"the worker lending this CPU has work at layer {layer}")
 
     def _run(self, batch: list[tuple[PrefillJob, SeqChunk]]) -> None:
         t0 = time.monotonic()

@@ -147,3 +147,54 @@ def test_a_prefill_stops_a_warm_up_pass_between_layers(smollm):
         assert res2.prefix_hit_tokens == len(history)
         assert out == ref.generate([longer], PARAMS)[0].token_ids
         assert prefill.res.pool.allocator.num_free == prefill.res.pool.num_blocks
+
+
+def test_warm_ups_wait_while_the_worker_lending_this_cpu_has_work(smollm, tmp_path):
+    """With CPU lending, a warm-up (speculative) runs only while the worker that may borrow this
+    worker's CPU waits for work: queued while it has work (and dropped once its lease passes
+    then, holding nothing), run once it waits, and a warm-up pass stopped between layers when it
+    gets work again, resumed from there after."""
+    import os
+    import time
+
+    from prefill.job import JobState
+    from worker.cpu_board import CpuBoard, CpuLending
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("lending needs 2 CPUs (this machine has 1)")
+    own, lent = cpus[0], cpus[1]
+    board = CpuBoard.create(tmp_path / "board", lent + 1)   # every CPU busy until its owner waits
+    neighbour = CpuLending(CpuBoard(tmp_path / "board"), {lent}, {own})
+    res = _prefill_worker(smollm, num_blocks=128, prefix_caching=True, warmup_chunk_tokens=1024,
+                          prefill_timeout_s=2.0, cpu_board=str(tmp_path / "board"), borrow_cpus=str(lent))
+    worker = PrefillWorker(res)
+    alloc = res.pool.allocator
+    history = smollm.tokenizer.encode("The lighthouse keeper wrote in his log every night. " * 100)[:60 * BS]
+    try:
+        neighbour.busy(True)
+        late = worker.warm("deferred", history[:4 * BS])
+        assert late.finished.wait(30) and isinstance(late.error, WarmupDropped)   # its lease passed
+        assert "deferred" in str(late.error) and late.num_computed == 0
+        assert worker.metrics["warmups_dropped"] == 1 and alloc.num_free == alloc.num_blocks
+        warm = worker.warm("long~warm", history)   # one pass of 960 tokens: seconds on a CPU
+        time.sleep(0.3)
+        assert warm.state == JobState.QUEUED and worker.metrics["warmup_tokens_computed"] == 0
+        neighbour.busy(False)                       # the neighbour waits: the warm-up runs
+        while warm.state != JobState.COMPUTING:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        neighbour.busy(True)                        # ... and has work again mid-pass
+        deadline = time.monotonic() + 30
+        while worker.metrics["warmup_preemptions"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.metrics["warmup_preemptions"] >= 1 and not warm.finished.is_set()
+        neighbour.busy(False)
+        assert warm.finished.wait(120) and warm.error is None and warm.num_computed == len(history)
+        assert worker.metrics["warmups_completed"] == 1 and alloc.num_free == alloc.num_blocks
+    finally:
+        worker.close()
+        res.close()
+        neighbour.close()
+        board.close()
+    assert not worker._thread.is_alive() and not worker.sender._thread.is_alive()
