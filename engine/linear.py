@@ -51,10 +51,12 @@ def warm_row_buckets(kernels: list, max_rows: int, counts) -> int:
     """Build oneDNN's primitives for every row bucket above `BUCKET_FROM_ROWS` up to
     ``max_rows``'s, by one multiply of zeros through each of ``kernels`` (one layer's
     projections: `Linear`, `engine.quant.Int4Linear`, whose many-row path is a bucketed `Linear`;
-    each with ``in_features`` and ``dtype``) at each bucket, on each torch thread count in
-    ``counts`` (a primitive is built for one count); returns the multiplies run. The thread count
-    is restored on return. A primitive serves every weight of its shape, so one layer's kernels
-    warm every layer."""
+    each with ``in_features``, ``dtype`` and ``bucketed``; those not ``bucketed``, off oneDNN,
+    are skipped) at each bucket, on each torch thread count in ``counts`` (a primitive is built
+    for one count); returns the multiplies run. The thread count is restored on return. A
+    primitive serves every weight of its shape, so one layer's kernels warm every layer. Raises
+    what a kernel raises (oneDNN's RuntimeError)."""
+    kernels = [k for k in kernels if k.bucketed]
     threads, calls = torch.get_num_threads(), 0
     buckets = sorted({bucket_rows(r) for r in range(BUCKET_FROM_ROWS + 1, max_rows + 1)})
     try:
@@ -137,6 +139,11 @@ class Linear:
                 self._plain = weight.contiguous()
         else:
             self._w = weight
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether many-row inputs run at `bucket_rows` (the oneDNN backend)."""
+        return self.backend == "onednn"
 
     @property
     def has_gemv_copy(self) -> bool:

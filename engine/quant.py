@@ -237,6 +237,11 @@ class Int4Linear:
         self._dense = Linear(weight.dequantize().to(self._dense_dtype), dense_backend)
         self.dtype = self._dense_dtype   # what its dense path multiplies in (`engine.linear.warm_row_buckets`)
 
+    @property
+    def bucketed(self) -> bool:
+        """Whether many-row inputs (its dense copy's) run at `engine.linear.bucket_rows`."""
+        return self._dense.bucketed
+
     def set_max_rows(self, rows: int) -> None:
         """Use the low-bit kernel up to ``rows`` rows from now on (at every thread count)."""
         self.max_int4_rows = rows

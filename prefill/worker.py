@@ -318,8 +318,7 @@ class PrefillWorker:
         has work: a warm-up (speculative) then waits, and the idle CPU goes to that worker's
         passes instead (measured: docs/PERFORMANCE.md, "Warm-ups yield the CPU to a busy decode
         worker")."""
-        lending = self.res.lending
-        return lending is not None and len(lending.board.idle(lending.lent)) < len(lending.lent)
+        return self.res.lending is not None and self.res.lending.owners_busy()
 
     def _yield_to_prefills(self, layer: int) -> None:
         """A warm-up pass's layer callback: raise `Preempted` once a prefill is queued or a

@@ -150,6 +150,10 @@ class CpuLending:
             os.sched_setaffinity(0, self.own | set(self._taken))
         return len(self._taken)
 
+    def owners_busy(self) -> bool:
+        """Whether the owner of any lent CPU has work now (this worker could not borrow it)."""
+        return len(self.board.idle(self.lent)) < len(self.lent)
+
     def reclaimed(self) -> bool:
         """Whether the owner of a CPU taken has work again."""
         return bool(self._taken) and len(self.board.idle(self._taken)) < len(self._taken)
