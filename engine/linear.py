@@ -38,7 +38,7 @@ def bucket_rows(rows: int) -> int:
     Why: oneDNN builds (JIT-compiles) a matmul primitive for each shape it meets, the row count
     included, and caches it (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; oneDNN's "Primitive Cache"
     documentation). Prompt chunks of every length each built four (a layer's projections) per
-    thread count, milliseconds apiece, on every pass of a chat workload's spread of lengths
+    thread count on every pass of a chat workload's spread of lengths
     (measured: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"). Decode batches (up to
     `BUCKET_FROM_ROWS` rows) keep their own sizes: few, and all cached."""
     if rows <= BUCKET_FROM_ROWS:

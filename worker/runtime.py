@@ -188,9 +188,8 @@ def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
 def _warm_row_buckets(config: WorkerConfig, model) -> None:
     """Build oneDNN's matmul primitives for every row bucket of a prompt pass up to
     ``max_num_batched_tokens`` (`engine.linear.bucket_rows`) on each thread count such a pass
-    may run on, before the first request rather than on the first pass of each bucket (a few
-    milliseconds per shape: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"); logs
-    the time."""
+    may run on, before the first request rather than on the first pass of each bucket (what a
+    build costs: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"); logs the time."""
     t0 = time.perf_counter()
     counts = _pass_thread_counts(config, BUCKET_FROM_ROWS + 1)
     calls = warm_row_buckets(model.projection_kernels(), config.max_num_batched_tokens, counts)
