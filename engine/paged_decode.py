@@ -15,6 +15,11 @@ from engine.attention import ForwardBatch, SeqChunk, paged_attention
 
 MAX_LENGTH_GROUPS = 3
 """Most calls a decode step's attention is split into by context length (`length_groups`)."""
+MAX_FUSED_GROUPS = 8
+"""`paged_decode_indexed` computes the scores of up to this many query heads per KV head as
+separate reductions fused into one loop (each key read once for all of them); more heads share
+one reduction (a loop per head reading the key again), which measured as fast there with less
+generated code (docs/PERFORMANCE.md, "Decode attention: a KV head's query heads in one loop")."""
 MIN_PADDING_SAVED = 0.15
 """`length_groups` splits only when that leaves at most ``1 - this`` of the padded blocks."""
 
@@ -26,8 +31,10 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     gathered copy of any sequence's K/V is built when inductor compiles it (``torch.compile``
     fuses the indexing into the score and output reductions); eagerly it is a slow reference.
     Whole blocks are indexed (``pool[block_tables]``), so the generated loops read one table entry
-    per block and the block's positions contiguously, and the softmax is normalised after the
-    value reduction (the same sum, divided once per output).
+    per block and the block's positions contiguously; the scores of a KV head's query heads are
+    separate reductions, which inductor fuses into one loop reading each key once for all of
+    them; the scale multiplies the scores, and the softmax is normalised after the value
+    reduction (the same sum, divided once per output).
     The CPU decode kernel of ``--attention-backend compiled`` (`CompiledDecode`; measured against
     the grouped path: ``python -m bench.decode_attention``, docs/PERFORMANCE.md "Decode attention
     through the block table").
@@ -48,10 +55,17 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     d, heads, dim = q.shape
     kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
     width, groups = block_tables.shape[1], heads // kv_heads
-    qg = q.view(d, 1, kv_heads, groups, 1, dim) * (dim ** -0.5 if scale is None else scale)
+    qg = q.view(d, 1, kv_heads, groups, 1, dim)
     # whole blocks through the table: one index per block, the positions inside it contiguous
-    k = k_pool[block_tables]                                          # [D, W, kv_heads, block, dim]
-    s = (qg * k[:, :, :, None].to(q.dtype)).sum(-1)                   # [D, W, kv_heads, G, block]
+    k = k_pool[block_tables].to(q.dtype)                              # [D, W, kv_heads, block, dim]
+    # one reduction per query head of the group: inductor fuses them into one loop that loads
+    # each key once for the group's heads, where one [.., G, ..] reduction loads it once per head;
+    # the scale multiplies each score, not each of its head_dim products
+    if groups <= MAX_FUSED_GROUPS:
+        s = torch.stack([(qg[:, :, :, g] * k).sum(-1) for g in range(groups)], 3)   # [D, W, kv_heads, G, block]
+    else:
+        s = (qg * k[:, :, :, None]).sum(-1)
+    s = s * (dim ** -0.5 if scale is None else scale)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     pos = (torch.arange(width, device=q.device)[:, None] * block_size

@@ -280,10 +280,10 @@ def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
     assert attention.causal_after_context(q16, k16, k16, None).dtype == torch.bfloat16   # in q's dtype
 
 
-def _indexed_case(block: int, gen: torch.Generator):
+def _indexed_case(block: int, gen: torch.Generator, heads: int = 6):
     """A decode batch over a head-major bfloat16 pool (ragged contexts, scattered tables,
-    grouped-query heads 6 over 2): ``(q, pool_k, pool_v, batch, lens)``."""
-    kv_heads, heads, dim = 2, 6, 16
+    grouped-query heads ``heads`` over 2): ``(q, pool_k, pool_v, batch, lens)``."""
+    kv_heads, dim = 2, 16
     pool_k = torch.randn(kv_heads, 64, block, dim, generator=gen).bfloat16().transpose(0, 1)
     pool_v = torch.randn(kv_heads, 64, block, dim, generator=gen).bfloat16().transpose(0, 1)
     contexts = [17, 5, 33, 33, 60, 1, 24]
@@ -296,14 +296,18 @@ def _indexed_case(block: int, gen: torch.Generator):
 
 @pytest.mark.parametrize("block", [8, 16])
 @pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 5.0), (9, 5.0)])
-def test_indexed_decode_attention_equals_the_grouped_path(block, window, softcap):
+@pytest.mark.parametrize("heads", [6, 20])
+def test_indexed_decode_attention_equals_the_grouped_path(block, window, softcap, heads):
     """`paged_decode_indexed` (the pool read through the block table by indexing) returns what the
     serving path returns, with sliding windows shorter and longer than some contexts and with
-    soft-capping; a wrong window or cap changes its output (the comparison can fail)."""
+    soft-capping, for 3 query heads per KV head (a reduction each, fused) and 10 (above
+    `MAX_FUSED_GROUPS`: one reduction); a wrong window or cap changes its output (the comparison
+    can fail)."""
     from engine.attention import paged_attention
-    from engine.paged_decode import paged_decode_indexed
+    from engine.paged_decode import MAX_FUSED_GROUPS, paged_decode_indexed
 
-    q, pool_k, pool_v, batch, lens = _indexed_case(block, torch.Generator().manual_seed(5))
+    assert 6 // 2 <= MAX_FUSED_GROUPS < 20 // 2   # both forms of the scores are exercised
+    q, pool_k, pool_v, batch, lens = _indexed_case(block, torch.Generator().manual_seed(5), heads)
     want = paged_attention(q, None, None, pool_k, pool_v, batch, block, window=window, scale=0.3, softcap=softcap)
     got = paged_decode_indexed(q, pool_k, pool_v, batch.block_tables, lens, window, 0.3, softcap)
     assert got.shape == want.shape == (q.shape[0], q.shape[1] * q.shape[2])
