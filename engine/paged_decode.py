@@ -20,6 +20,15 @@ MAX_FUSED_GROUPS = 8
 separate reductions fused into one loop (each key read once for all of them); more heads share
 one reduction (a loop per head reading the key again), which measured as fast there with less
 generated code (docs/PERFORMANCE.md, "Decode attention: a KV head's query heads in one loop")."""
+VALUE_CHUNK = 32
+"""Head-dimension elements per value reduction of `paged_decode_indexed` (one 512-bit load of
+bfloat16): the output's head dimension is split into reductions of this many, so the fused loop
+reads each value row whole per key; a single reduction over the head dimension is looped over by
+inductor a vector at a time, each pass reading every value row again."""
+MAX_VALUE_REDUCTIONS = 16
+"""Most separate value reductions (query heads per KV head x head-dimension chunks) one fused loop
+of `paged_decode_indexed` holds; fewer chunks above it, where the accumulators no longer fit the
+vector registers (docs/PERFORMANCE.md, "Decode attention: value rows read whole")."""
 MIN_PADDING_SAVED = 0.15
 """`length_groups` splits only when that leaves at most ``1 - this`` of the padded blocks."""
 
@@ -33,7 +42,9 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     Whole blocks are indexed (``pool[block_tables]``), so the generated loops read one table entry
     per block and the block's positions contiguously; the scores of a KV head's query heads are
     separate reductions, which inductor fuses into one loop reading each key once for all of
-    them; the scale multiplies the scores, and the softmax is normalised after the value
+    them, and so are their value sums, per head and `value_chunks` piece of the head dimension,
+    fused into one loop reading each value row whole once (up to `MAX_FUSED_GROUPS` heads per KV
+    head); the scale multiplies the scores, and the softmax is normalised after the value
     reduction (the same sum, divided once per output).
     The CPU decode kernel of ``--attention-backend compiled`` (`CompiledDecode`; measured against
     the grouped path: ``python -m bench.decode_attention``, docs/PERFORMANCE.md "Decode attention
@@ -75,10 +86,28 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         hidden = hidden | (pos[None] < (lens - window)[:, None, None])
     s = s.masked_fill(hidden[:, :, None, None, :], float("-inf"))
     e = torch.exp(s - s.amax(dim=(1, 4), keepdim=True))             # softmax over (W, block), normalised last
-    v = v_pool[block_tables]                                          # [D, W, kv_heads, block, dim]
-    out = (e[..., None] * v[:, :, :, None].to(q.dtype)).sum(dim=(1, 4))   # [D, kv_heads, G, dim]
+    v = v_pool[block_tables].to(q.dtype)                              # [D, W, kv_heads, block, dim]
+    if groups <= MAX_FUSED_GROUPS:
+        # one reduction per (query head, head-dimension chunk), fused into one loop over the keys
+        # that reads each value row whole (one per head and chunk, the head dimension vectorised)
+        chunks = value_chunks(groups, dim)
+        part = dim // chunks
+        out = torch.stack([torch.cat([(e[:, :, :, g, :, None] * v[..., c * part:(c + 1) * part]).sum(dim=(1, 3))
+                                      for c in range(chunks)], -1) for g in range(groups)], 2)
+    else:
+        out = (e[..., None] * v[:, :, :, None]).sum(dim=(1, 4))      # [D, kv_heads, G, dim]
     out = out / e.sum(dim=(1, 4)).view(d, kv_heads, groups, 1)
     return out.reshape(d, heads * dim)
+
+
+def value_chunks(groups: int, head_dim: int) -> int:
+    """How many head-dimension chunks `paged_decode_indexed` splits each query head's value
+    reduction into: ``head_dim // VALUE_CHUNK`` (at least one), fewer while they do not divide
+    ``head_dim`` or ``groups`` times them exceeds `MAX_VALUE_REDUCTIONS`."""
+    chunks = max(1, head_dim // VALUE_CHUNK)
+    while chunks > 1 and (head_dim % chunks or groups * chunks > MAX_VALUE_REDUCTIONS):
+        chunks -= 1
+    return chunks
 
 
 def length_groups(tables: torch.Tensor, lens: torch.Tensor,

@@ -282,8 +282,8 @@ def test_a_chunk_after_cached_context_attends_as_the_masked_reference():
 
 def _indexed_case(block: int, gen: torch.Generator, heads: int = 6):
     """A decode batch over a head-major bfloat16 pool (ragged contexts, scattered tables,
-    grouped-query heads ``heads`` over 2): ``(q, pool_k, pool_v, batch, lens)``."""
-    kv_heads, dim = 2, 16
+    grouped-query heads ``heads`` over 2, head_dim 64): ``(q, pool_k, pool_v, batch, lens)``."""
+    kv_heads, dim = 2, 64
     pool_k = torch.randn(kv_heads, 64, block, dim, generator=gen).bfloat16().transpose(0, 1)
     pool_v = torch.randn(kv_heads, 64, block, dim, generator=gen).bfloat16().transpose(0, 1)
     contexts = [17, 5, 33, 33, 60, 1, 24]
@@ -300,13 +300,14 @@ def _indexed_case(block: int, gen: torch.Generator, heads: int = 6):
 def test_indexed_decode_attention_equals_the_grouped_path(block, window, softcap, heads):
     """`paged_decode_indexed` (the pool read through the block table by indexing) returns what the
     serving path returns, with sliding windows shorter and longer than some contexts and with
-    soft-capping, for 3 query heads per KV head (a reduction each, fused) and 10 (above
-    `MAX_FUSED_GROUPS`: one reduction); a wrong window or cap changes its output (the comparison
-    can fail)."""
+    soft-capping, for 3 query heads per KV head (a reduction each, fused; the value sums in two
+    head-dimension chunks each) and 10 (above `MAX_FUSED_GROUPS`: one reduction); a wrong window
+    or cap changes its output (the comparison can fail)."""
     from engine.attention import paged_attention
-    from engine.paged_decode import MAX_FUSED_GROUPS, paged_decode_indexed
+    from engine.paged_decode import MAX_FUSED_GROUPS, paged_decode_indexed, value_chunks
 
     assert 6 // 2 <= MAX_FUSED_GROUPS < 20 // 2   # both forms of the scores are exercised
+    assert value_chunks(6 // 2, 64) == 2          # and the value sums in chunks
     q, pool_k, pool_v, batch, lens = _indexed_case(block, torch.Generator().manual_seed(5), heads)
     want = paged_attention(q, None, None, pool_k, pool_v, batch, block, window=window, scale=0.3, softcap=softcap)
     got = paged_decode_indexed(q, pool_k, pool_v, batch.block_tables, lens, window, 0.3, softcap)
@@ -315,6 +316,15 @@ def test_indexed_decode_attention_equals_the_grouped_path(block, window, softcap
     wrong = paged_decode_indexed(q, pool_k, pool_v, batch.block_tables, lens, (window or 40) - 7, 0.3,
                                  None if softcap else 2.0)
     assert (wrong - want).abs().max() > 1e-2
+
+
+def test_value_chunks_split_the_head_dimension_within_the_register_budget():
+    """`value_chunks`: pieces of `VALUE_CHUNK` elements that divide the head dimension, at most
+    `MAX_VALUE_REDUCTIONS` reductions with the query heads of a KV head."""
+    from engine.paged_decode import value_chunks
+
+    assert [value_chunks(3, 64), value_chunks(1, 64), value_chunks(4, 128), value_chunks(8, 128)] == [2, 2, 4, 2]
+    assert [value_chunks(3, 16), value_chunks(1, 80), value_chunks(1, 96), value_chunks(8, 96)] == [1, 2, 3, 2]
 
 
 def test_compiled_indexed_decode_attention_serves_every_batch_and_context_from_one_package():
