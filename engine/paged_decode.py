@@ -103,7 +103,13 @@ def paged_decode_indexed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
 def value_chunks(groups: int, head_dim: int) -> int:
     """How many head-dimension chunks `paged_decode_indexed` splits each query head's value
     reduction into: ``head_dim // VALUE_CHUNK`` (at least one), fewer while they do not divide
-    ``head_dim`` or ``groups`` times them exceeds `MAX_VALUE_REDUCTIONS`."""
+    ``head_dim`` or ``groups`` times them exceeds `MAX_VALUE_REDUCTIONS`.
+
+    Args:
+        groups: query heads per KV head; head_dim: elements per head.
+    Returns:
+        The chunk count, at least 1, dividing ``head_dim``; raises nothing.
+    """
     chunks = max(1, head_dim // VALUE_CHUNK)
     while chunks > 1 and (head_dim % chunks or groups * chunks > MAX_VALUE_REDUCTIONS):
         chunks -= 1
