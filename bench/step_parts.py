@@ -2,7 +2,8 @@
 chunk), timed inside the pass, on the kernels a CPU worker runs.
 
     python -m bench.step_parts [--weights native] [--threads 1] [--rows 1,8,32] [--context 256]
-                               [--attention-backend auto|grouped] [--reps 10] [--json PATH]
+                               [--attention-backend auto|grouped] [--linear-backend auto] [--reps 10]
+                               [--json PATH]
 
 For each pass kind (decode steps of ``--rows`` one-token sequences over ``--context``-token
 contexts, and one prompt chunk of ``--context`` tokens), ``--reps`` passes are run through a
@@ -159,6 +160,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "grouped"],
                     help="auto (default): the compiled attention kernels a CPU worker runs; grouped: SDPA")
+    ap.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch", "template"],
+                    help="the projections' kernels (engine.linear; template: inductor's GEMM template for 2-64 rows)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -169,7 +172,7 @@ def main(argv=None) -> dict:
     if min(rows) < 1 or args.context < 1 or args.reps < 1 or args.threads < 1:
         ap.error("--rows, --context, --reps and --threads must be positive")
     torch.set_num_threads(args.threads)
-    loaded = load_model(None, weights=args.weights)
+    loaded = load_model(None, weights=args.weights, linear_backend=args.linear_backend)
     per_seq = -(-(args.context + 1) // BS)
     pool = KVPool(loaded.config, CacheConfig(block_size=BS, num_blocks=max(rows) * per_seq + 8,
                                              dtype=loaded.kv_dtype))

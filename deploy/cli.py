@@ -80,6 +80,7 @@ def launcher_config(args: argparse.Namespace):
         cpu_affinity=default_affinity(args) if args.cpu_affinity is None else args.cpu_affinity, lend_idle_cpus=args.lend_idle_cpus, decode_tp=(args.decode_tp,), prefill_tp=(args.prefill_tp,), device=args.device,
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",))
+        + (("--linear-backend", args.linear_backend) if args.linear_backend != "auto" else ())
         + ("--attention-backend", attention_backend(args), "--kv-send", args.kv_send,
            "--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
@@ -255,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs its layers as torch.compile graphs built at start-up (engine.compiled; "
                         "no faster on the CPU, measured: docs/PERFORMANCE.md, 'Compiled layers'), and "
                         "with --device cuda a decode worker replays its decode steps from CUDA graphs")
+    u.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch", "template"],
+                   help="CPU workers' projection kernels (engine.linear): auto (oneDNN's packed weights), "
+                        "or template: oneDNN, and decode steps' bfloat16 matmuls of 2-64 rows through "
+                        "inductor's GEMM template (engine.gemm_template; a second copy of those weights, "
+                        "packages built at the first start and kept on disk; measured: docs/PERFORMANCE.md, "
+                        "'A step's projections through inductor's GEMM template')")
     u.add_argument("--attention-backend", default=None, choices=["auto", "grouped", "compiled"],
                    help="CPU workers' attention: compiled (decode attention reads the pool through the block "
                         "table, engine.paged_decode.CompiledDecode; prompts attend through FlexAttention, "

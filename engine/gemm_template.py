@@ -53,6 +53,14 @@ def pack_weight(weight: torch.Tensor, block_n: int) -> torch.Tensor:
     return blocked.reshape(blocks, k // 2, 2, block_n).transpose(2, 3).contiguous().view(blocks, k, block_n)
 
 
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The ``[out_features, K]`` weight `pack_weight` packed into ``packed``
+    (``[blocks, K, block_n]``): the inverse permutation, the padding columns dropped."""
+    blocks, k, block_n = packed.shape
+    wt = packed.view(blocks, k // 2, block_n, 2).transpose(2, 3).reshape(blocks, k, block_n)
+    return wt.transpose(0, 1).reshape(k, blocks * block_n)[:, :out_features].t().contiguous()
+
+
 class _Projection(torch.nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -101,9 +109,9 @@ class GemmPackage:
         self.built, self.seconds = package.built, package.seconds
         self.block_n = self._find_block_n()
 
-    def loader(self, weight: torch.Tensor, packed: torch.Tensor):
-        """A runtime of this package multiplying by ``weight`` (``packed``: `pack_weight` of it at
-        ``block_n``, kept alive by the caller: the runtime reads it in place)."""
+    def loader(self, packed: torch.Tensor):
+        """A runtime of this package multiplying by the weight whose `pack_weight` at ``block_n``
+        is ``packed`` (kept alive by the caller: the runtime reads it in place)."""
         loader = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1)
         constants = {}
         for name in loader.get_constant_fqns():
@@ -119,7 +127,7 @@ class GemmPackage:
         for block_n in BLOCK_N_CANDIDATES:
             packed = pack_weight(weight, block_n)
             try:
-                got = self.loader(weight, packed).run([x])[0].float()
+                got = self.loader(packed).run([x])[0].float()
             except RuntimeError:
                 continue
             if torch.allclose(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02):
@@ -130,8 +138,9 @@ class GemmPackage:
 
 class TemplateLinear:
     """``y = x @ W.T`` through the template for 2 to `MAX_ROWS` rows of bfloat16: one weight
-    ``[out_features, in_features]`` bfloat16, packed once per ``block_n`` its thread counts'
-    packages read, with one runtime per thread count (``packages``, shared by every projection of
+    ``[out_features, in_features]`` bfloat16 (K even), kept only packed (`pack_weight`, at
+    `BLOCK_N_CANDIDATES`' first; a package that reads another block width gets a copy repacked
+    for it, `unpack_weight`), with one runtime per thread count (``packages``, shared by every projection of
     the process: `GemmPackage` by ``(threads, out, in)``), made at the first call on that count or
     by `warm` beforehand.
 
@@ -144,9 +153,8 @@ class TemplateLinear:
         if weight.dim() != 2 or weight.dtype != torch.bfloat16:
             raise ValueError(f"TemplateLinear takes a 2-D bfloat16 weight, got {tuple(weight.shape)} {weight.dtype}")
         self.out_features, self.in_features = weight.shape
-        self._weight = weight
+        self._packed = {BLOCK_N_CANDIDATES[0]: pack_weight(weight, BLOCK_N_CANDIDATES[0])}
         self._packages = packages
-        self._packed: dict[int, torch.Tensor] = {}
         self._loaders: dict[int, object] = {}
 
     def warm(self) -> None:
@@ -163,8 +171,9 @@ class TemplateLinear:
                 package = self._packages[key] = GemmPackage(self.out_features, self.in_features)
             packed = self._packed.get(package.block_n)
             if packed is None:
-                packed = self._packed[package.block_n] = pack_weight(self._weight, package.block_n)
-            loader = self._loaders[threads] = package.loader(self._weight, packed)
+                packed = self._packed[package.block_n] = pack_weight(
+                    unpack_weight(next(iter(self._packed.values())), self.out_features), package.block_n)
+            loader = self._loaders[threads] = package.loader(packed)
         return loader
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

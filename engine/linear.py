@@ -1,11 +1,18 @@
 """Matrix multiply kernels for the model's projections (``y = x @ W.T``).
 
-Two backends:
+Three backends:
 - ``onednn``: the weight is reordered once into oneDNN's blocked layout and multiplied with
   ``torch.ops.mkldnn._linear_pointwise`` (the kernels PyTorch's inductor uses for CPU linears).
   On a single core this runs faster than ``F.linear`` for multi-row inputs and for the LM head
   (measured: docs/PERFORMANCE.md, "Linear kernels").
 - ``torch``: plain ``F.linear``; the portable choice (CUDA tensors, builds without oneDNN).
+- ``template``: ``onednn``, and for bfloat16 weights (a model's layer projections; its LM head
+  and routed experts stay on ``onednn``, `engine.models.llama.LlamaModel`) a second copy packed for inductor's C++ GEMM
+  template (`engine.gemm_template.TemplateLinear`), which multiplies inputs of 2 to
+  `TEMPLATE_MAX_ROWS` rows (decode steps; prompt passes stay on oneDNN, faster there). Opt-in
+  (``--linear-backend template``): the copy doubles the dense weights' memory, and each weight
+  shape's package is built once per thread count (measured: docs/PERFORMANCE.md, "A step's
+  projections through inductor's GEMM template").
 
 ``auto`` picks ``onednn`` for CPU weights when the ops exist and a self-check on random data agrees
 with ``F.linear`` within float tolerance, else ``torch``; the choice is logged. bfloat16 weights
@@ -22,11 +29,16 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "onednn", "torch")
+BACKENDS = ("auto", "onednn", "torch", "template")
+TEMPLATE_PACKAGES: dict = {}
+"""The ``template`` backend's packages (`engine.gemm_template.GemmPackage` by ``(threads, out,
+in)``), shared by every `Linear` of the process."""
 
 
 BUCKET_FROM_ROWS = 64
 """Row counts above this are padded to a bucket (`bucket_rows`) before a oneDNN multiply."""
+TEMPLATE_MAX_ROWS = BUCKET_FROM_ROWS
+"""The ``template`` backend multiplies inputs of 2 to this many rows through its template copy."""
 
 
 def bucket_rows(rows: int) -> int:
@@ -71,6 +83,27 @@ def warm_row_buckets(kernels: list, max_rows: int, counts) -> int:
     return calls
 
 
+def warm_templates(kernels: list, counts) -> int:
+    """Make the ``template`` backend's runtimes of ``kernels`` (one layer's projections:
+    `Linear`, or kernels whose ``dense_linear`` is one, `engine.quant.Int4Linear`) on each torch
+    thread count in ``counts``, loading or building each weight shape's package (a package serves
+    every weight of its shape; the other layers' runtimes are made at their first call); returns
+    how many were made. The thread count is restored on return. Raises
+    `engine.gemm_template.TemplateUnavailable`."""
+    threads, made = torch.get_num_threads(), 0
+    linears = [getattr(k, "dense_linear", k) for k in kernels]
+    try:
+        for count in counts:
+            torch.set_num_threads(count)
+            for lin in linears:
+                if isinstance(lin, Linear) and lin.template is not None:
+                    lin.warm_template()
+                    made += 1
+    finally:
+        torch.set_num_threads(threads)
+    return made
+
+
 def onednn_available() -> bool:
     """True when this torch build has oneDNN's packed-weight linear ops and they are correct."""
     if not torch.backends.mkldnn.is_available():
@@ -105,6 +138,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
         log.info("linear backend: %s", name)
     elif name == "onednn" and (device.type != "cpu" or not onednn_available()):
         raise ValueError("linear backend 'onednn' needs CPU weights and a torch build with oneDNN")
+    elif name == "template" and (device.type != "cpu" or not onednn_available() or not bf16_matmul_fast()):
+        raise ValueError("linear backend 'template' needs CPU weights, a torch build with oneDNN and a CPU "
+                         "with native bfloat16 matmuls (AVX512-BF16 or AMX)")
     return name
 
 
@@ -113,7 +149,8 @@ class Linear:
 
     Args:
         weight: ``[out_features, in_features]``.
-        backend: "onednn" or "torch" (already resolved).
+        backend: "onednn", "torch" or "template" (already resolved; "template" on a float32
+            weight is "onednn").
         gemv_copy: with ``onednn`` and float32 weights, also keep ``weight`` as is and multiply
             one-row inputs (a decode step of one sequence) with ``F.linear`` (MKL's sgemv),
             faster than oneDNN's packed kernel for one row on some CPUs, slower on others
@@ -122,13 +159,21 @@ class Linear:
             embedding).
     Call with ``x``: ``[tokens, in_features]``, same dtype; returns ``[tokens, out_features]``
     (with ``onednn``, above `BUCKET_FROM_ROWS` rows, a contiguous view of the first ``tokens`` rows
-    of a `bucket_rows` result: `packed`).
+    of a `bucket_rows` result: `packed`). With ``template``, the first call on a thread count
+    makes the template's runtime for it and may build its package (`engine.gemm_template`; raises
+    `engine.gemm_template.TemplateUnavailable` where it cannot); `warm_template` does it ahead.
     """
 
     def __init__(self, weight: torch.Tensor, backend: str, gemv_copy: bool = False):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self._plain = None
+        self._plain = self.template = None
+        if backend == "template":
+            if weight.dtype == torch.bfloat16 and bf16_matmul_fast():
+                from engine.gemm_template import TemplateLinear
+
+                self.template = TemplateLinear(weight, TEMPLATE_PACKAGES)
+            backend = "onednn"
         if backend == "onednn" and weight.dtype == torch.bfloat16 and not bf16_matmul_fast():
             # oneDNN refuses to pack bfloat16 without AVX512-BF16/AVX-NE-CONVERT (AVX2 CPUs)
             backend = "torch"
@@ -168,7 +213,15 @@ class Linear:
         """``x @ W.T`` through the plain copy (``F.linear``); needs `has_gemv_copy`."""
         return F.linear(x, self._plain)
 
+    def warm_template(self) -> None:
+        """With a template copy: make its runtime for the current thread count now (building
+        the package if the cache lacks it). Raises `engine.gemm_template.TemplateUnavailable`."""
+        if self.template is not None:
+            self.template.warm()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.template is not None and 2 <= x.shape[0] <= TEMPLATE_MAX_ROWS:
+            return self.template(x)
         if self.backend == "onednn":
             if self._plain is not None and x.shape[0] == 1:
                 return F.linear(x, self._plain)

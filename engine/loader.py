@@ -143,7 +143,7 @@ def resolve_weights(weights: str, model: str | Path | None = None, device: str =
 def load_model(model: str | Path | None = None, weights: str = "fp32", device: str = "cpu",
                gemv_copies: bool = True, compiled: bool = False, tensor_parallel_size: int = 1,
                threads: int | None = None, tp_extension: str | None = None,
-               low_bit_threads: tuple[int, ...] | None = None) -> LoadedModel:
+               low_bit_threads: tuple[int, ...] | None = None, linear_backend: str = "auto") -> LoadedModel:
     """Load weights and tokenizer. ``model`` None means the default SmolLM2-135M-Instruct.
 
     Args:
@@ -162,6 +162,8 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
             running the rank extension ``tp_extension`` (``"module:factory"``, `engine.tp_ranks`).
         low_bit_threads: native weights: the torch thread counts passes run on, each timed for its
             own low-bit kernel (`engine.models.llama.LlamaModel`; None: one and the current count).
+        linear_backend: the projections' kernels (`engine.linear.BACKENDS`; tensor parallel
+            ranks take ``auto``).
     Raises:
         ModelLoadError / TokenizerError: missing or malformed files; native weights for a model
             with no 4-bit projections.
@@ -208,12 +210,13 @@ def load_model(model: str | Path | None = None, weights: str = "fp32", device: s
         built = tp_ranks.start(path, weights, tensor_parallel_size, device, threads or torch.get_num_threads(),
                                gemv_copies, build_model, tp_extension)
     else:
-        built = build_model(path, weights, device, gemv_copies, None, compiled, low_bit_threads)
+        built = build_model(path, weights, device, gemv_copies, None, compiled, low_bit_threads, linear_backend)
     return LoadedModel(path, built.config, built, Tokenizer.from_file(path), weights)
 
 
 def build_model(path: str | Path, weights: str, device: str = "cpu", gemv_copies: bool = True,
-                tp=None, compiled: bool = False, low_bit_threads: tuple[int, ...] | None = None) -> CausalLM:
+                tp=None, compiled: bool = False, low_bit_threads: tuple[int, ...] | None = None,
+                linear_backend: str = "auto") -> CausalLM:
     """The model of a resolved checkpoint ``path`` in a resolved ``weights`` mode on ``device``
     (`load_model` checked both); with ``tp`` (an `engine.tp.TPGroup`), that rank's shard.
     Raises ModelLoadError as `load_weights` does, and when the model cannot be split ``tp.size`` ways."""
@@ -228,7 +231,7 @@ def build_model(path: str | Path, weights: str, device: str = "cpu", gemv_copies
     # the model takes the weights over, dropping each original once packed (`LlamaModel`)
     model = model_class(config.architecture)(config, loaded, kv_dtype=DTYPES[kv_cache_dtype(weights)],
                                                gemv_copies=gemv_copies, compiled=compiled, tp=tp,
-                                               low_bit_threads=low_bit_threads)
+                                               low_bit_threads=low_bit_threads, linear_backend=linear_backend)
     del loaded
     release_freed_memory()
     return model

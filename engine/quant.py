@@ -204,7 +204,7 @@ class Int4Linear:
         weight: the quantized weight, ``[out_features, in_features]``.
         max_int4_rows: inputs with at most this many rows use the low-bit kernel; more rows use
             the dequantized copy (see module docstring). 0: never the low-bit kernel.
-        dense_backend: "onednn" or "torch" for the dense copy (`engine.linear`).
+        dense_backend: "onednn", "torch" or "template" for the dense copy (`engine.linear`).
         kernels: the low-bit kernels to build, the first one used until `keep_kernel` says
             otherwise (``("int4",)``, ``("nbits",)`` or both, to be timed).
     Call with ``x``: ``[tokens, in_features]`` float32 or bfloat16; returns ``[tokens, out_features]``
@@ -313,6 +313,11 @@ class Int4Linear:
         """``x @ W.T`` through the dense copy, in `dense_dtype`."""
         return self._dense(x.to(self._dense_dtype).contiguous())
 
+    @property
+    def dense_linear(self) -> Linear:
+        """The dense copy's `engine.linear.Linear` (`engine.linear.warm_templates`)."""
+        return self._dense
+
 
 class HeadLinear:
     """Native mode's LM head ``y = x @ W.T``: the file's Q8_0 blocks for few rows, a dense copy
@@ -342,7 +347,7 @@ class HeadLinear:
     Args:
         weight: ``[out_features, in_features]`` (any float dtype).
         max_int8_rows: inputs with at most this many rows use the int8 kernel; 0: never.
-        backend: "onednn" or "torch" for the dense copy (`engine.linear`).
+        backend: "onednn", "torch" or "template" for the dense copy (`engine.linear`).
     Call with ``x``: ``[tokens, in_features]`` float32 or bfloat16; returns ``[tokens, out_features]``
     in ``x``'s dtype.
     Raises:

@@ -16,6 +16,7 @@ from rpc.auth import DEV_SECRET, read_secret
 ROLES = ("prefill", "decode")
 TRANSFER_ENGINES = ("auto", "tcp", "shm", "verbs", "cuda_ipc")
 ATTENTION_BACKENDS = ("grouped", "compiled", "auto")
+LINEAR_BACKENDS = ("auto", "onednn", "torch", "template")   # engine.linear.BACKENDS (no torch import here)
 KV_SEND_MODES = ("auto", "layer", "pass")
 # KV pool blocks per role when --num-blocks is not given. A decode worker holds every running
 # sequence's KV (2048 blocks: 32 sequences of 1,024 tokens). A prefill worker holds a prompt
@@ -88,6 +89,13 @@ class WorkerConfig:
             (compiled where it builds, else grouped with a warning saying why, the prompt kernel
             kept only for the chunk lengths it beat SDPA at, timed at start-up by
             `engine.prefill_choice`; ``pdserve up``'s default). CUDA pools (Triton) ignore it.
+        linear_backend: the projections' kernels (`engine.linear`): "auto" (oneDNN's packed
+            weights on the CPU), "onednn", "torch", or "template" (oneDNN, and a decode step's
+            bfloat16 dense matmuls of 2 to `engine.linear.TEMPLATE_MAX_ROWS` rows through inductor's
+            GEMM template, `engine.gemm_template`: a second copy of the layers' projection weights, each weight
+            shape's package loaded or built at start-up on every thread count a decode pass may
+            take, its time logged; refused to start where it cannot be built; tensor parallel size
+            1, CPU only).
         parallel_min_tokens: with ``threads`` > 1, forward passes of fewer tokens run on one
             thread (a pass of a few rows gains little from a second thread and waits at each
             operator's barrier for a thread another process took off a shared core), longer
@@ -143,6 +151,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     attention_backend: str = "grouped"
+    linear_backend: str = "auto"
     parallel_min_tokens: int = 8
     cpu_board: str = ""
     borrow_cpus: str = ""
@@ -182,6 +191,10 @@ class WorkerConfig:
         if self.attention_backend != "grouped" and self.tensor_parallel_size > 1:
             raise ValueError(f"attention_backend {self.attention_backend} runs at tensor parallel size 1 only; "
                              f"use grouped")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.linear_backend == "template" and (self.tensor_parallel_size > 1 or self.device != "cpu"):
+            raise ValueError("linear_backend template runs on the CPU at tensor parallel size 1 only")
         if self.parallel_min_tokens < 0:
             raise ValueError(f"parallel_min_tokens must be >= 0, got {self.parallel_min_tokens}")
         if bool(self.cpu_board) != bool(self.borrow_cpus):

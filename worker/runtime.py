@@ -26,7 +26,7 @@ import torch
 
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool
-from engine.linear import BUCKET_FROM_ROWS, warm_row_buckets
+from engine.linear import BUCKET_FROM_ROWS, warm_row_buckets, warm_templates
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
@@ -189,12 +189,18 @@ def _warm_row_buckets(config: WorkerConfig, model) -> None:
     """Build oneDNN's matmul primitives for every row bucket of a prompt pass up to
     ``max_num_batched_tokens`` (`engine.linear.bucket_rows`) on each thread count such a pass
     may run on, before the first request rather than on the first pass of each bucket (what a
-    build costs: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"); logs the time."""
+    build costs: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"), and with
+    ``--linear-backend template`` the GEMM template's packages for a decode pass's counts
+    (`engine.linear.warm_templates`); logs the times."""
     t0 = time.perf_counter()
     counts = _pass_thread_counts(config, BUCKET_FROM_ROWS + 1)
     calls = warm_row_buckets(model.projection_kernels(), config.max_num_batched_tokens, counts)
     log.info("projection row buckets: %d matmul primitive(s) built up to %d rows on thread counts %s in %.1f s",
              calls, config.max_num_batched_tokens, counts, time.perf_counter() - t0)
+    if config.linear_backend == "template":   # raises TemplateUnavailable: the worker does not start
+        t0, counts = time.perf_counter(), _pass_thread_counts(config, 2)
+        log.info("linear backend template: %d GEMM template runtime(s) ready on thread counts %s in %.1f s",
+                 warm_templates(model.projection_kernels(), counts), counts, time.perf_counter() - t0)
 
 
 def _measure_decode_rows(config: WorkerConfig, model, pool: KVPool, kernel: CompiledDecode) -> None:
@@ -273,7 +279,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
                                  gemv_copies=config.role != "prefill", compiled=not config.enforce_eager,
                                  tensor_parallel_size=config.tensor_parallel_size, threads=config.threads,
                                  tp_extension="worker.tp_rank:RankDataPlane",
-                                 low_bit_threads=_own_thread_counts(config))
+                                 low_bit_threads=_own_thread_counts(config), linear_backend=config.linear_backend)
     tp = getattr(loaded.model, "tp_size", 1) > 1
     if config.weights == "auto":   # the mode load_model resolved it to (the compatibility hash's)
         config = dataclasses.replace(config, weights=loaded.weights)

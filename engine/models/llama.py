@@ -55,7 +55,7 @@ class LlamaModel:
                  gemv_copies: bool = True, compiled: bool = False, tp: TPGroup | None = None,
                  low_bit_threads: tuple[int, ...] | None = None):
         """Args:
-            linear_backend: "auto", "onednn" or "torch" (see `engine.linear`).
+            linear_backend: "auto", "onednn", "torch" or "template" (see `engine.linear`).
             max_int4_rows: 4-bit projections (`engine.quant.Int4Linear`) use a low-bit kernel for
                 at most this many tokens per forward pass, their dequantized copy above it. None:
                 timed on this CPU over every layer's projections, and so is which low-bit kernel,
@@ -104,8 +104,8 @@ class LlamaModel:
         self._windows = [config.layer_window(i) for i in range(config.num_layers)]
         self._act = F.silu if config.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
         self._extras = [_LayerExtras(layer, self._local) for layer in weights.layers]
-        backend = resolve_backend(linear_backend, weights.embed.device)
-        self.linear_backend = backend
+        self.linear_backend = backend = resolve_backend(linear_backend, weights.embed.device)
+        rest = "onednn" if backend == "template" else backend   # template: layer projections only, not head or experts
         self.quantized = any(isinstance(p, Int4Weight) for layer in weights.layers
                              for p in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         if self.quantized and weights.embed.device.type != "cpu":
@@ -119,8 +119,8 @@ class LlamaModel:
         # "Head build order")
         if max_int8_head_rows == "default":
             max_int8_head_rows = default_int8_head_rows()
-        self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, backend) if self.quantized
-                         else Linear(weights.lm_head, backend, gemv_copies))
+        self._lm_head = (HeadLinear(weights.lm_head, max_int8_head_rows or 0, rest) if self.quantized
+                         else Linear(weights.lm_head, rest, gemv_copies))
         weights.lm_head = None   # a tied head's weight stays referenced as the embedding
         self._layers, self._experts = [], []
         self.gemv_copies = False
@@ -130,7 +130,7 @@ class LlamaModel:
             self._layers.append(_LayerLinears(layer, backend, max_int4_rows or 0, gemv_copies,
                                               LOW_BIT_KERNELS if max_int4_rows is None else ("int4",)))
             self._experts.append(None if layer.experts is None else RoutedExperts(
-                layer.experts, config.num_experts_per_tok, config.norm_topk_prob, backend))
+                layer.experts, config.num_experts_per_tok, config.norm_topk_prob, rest))
             layer.experts = None
             if i == 0:   # decided on layer 0 and the head, so that the other layers make no unused copies
                 self.gemv_copies = gemv_copies = self._keep_gemv_copies_if_faster()

@@ -70,6 +70,12 @@ def test_pdserve_up_runs_eagerly_unless_told_otherwise():
     assert "--no-enforce-eager" in config.worker_args
 
 
+def test_pdserve_up_keeps_onednn_unless_asked_for_the_gemm_template():
+    assert "--linear-backend" not in launcher_config(build_parser().parse_args(["up"])).worker_args
+    args = launcher_config(build_parser().parse_args(["up", "--linear-backend", "template"])).worker_args
+    assert args[args.index("--linear-backend") + 1] == "template"
+
+
 def test_pdserve_up_passes_the_decode_prompt_budget_to_its_workers():
     def budget(*argv):
         args = launcher_config(build_parser().parse_args(["up", *argv])).worker_args

@@ -110,3 +110,31 @@ def test_warming_the_buckets_runs_each_kernel_at_each_bucket_and_thread_count():
     assert calls == len(seen) == len(buckets) * 2 * 2
     assert sorted(set(seen)) == sorted((b, n) for b in buckets for n in (1, 2))
     assert torch.get_num_threads() == threads
+
+
+def test_the_template_backend_multiplies_decode_rows_through_its_copy_and_the_rest_through_onednn(monkeypatch):
+    import pytest
+
+    from engine.gemm_template import TemplateLinear
+
+    from engine.linear import TEMPLATE_MAX_ROWS, resolve_backend, warm_templates
+
+    if not bf16_matmul_fast():
+        with pytest.raises(ValueError, match="native bfloat16"):
+            resolve_backend("template", torch.device("cpu"))
+        pytest.skip("no native bfloat16 matmuls on this CPU: the template backend is refused (checked above)")
+    assert resolve_backend("template", torch.device("cpu")) == "template"
+    with pytest.raises(ValueError, match="CPU weights"):
+        resolve_backend("template", torch.device("cuda"))
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(80, 64, generator=gen) * 0.125).to(torch.bfloat16)   # the shape of tests/unit/test_gemm_template.py
+    lin = Linear(w, "template")
+    assert lin.template is not None and lin.backend == "onednn" and lin.bucketed
+    assert Linear(w.float(), "template").template is None   # float32 weights: oneDNN only
+    assert warm_templates([lin, Linear(w.float(), "template")], (1,)) == 1
+    calls, run = [], TemplateLinear.__call__
+    monkeypatch.setattr(TemplateLinear, "__call__", lambda self, x: calls.append(x.shape[0]) or run(self, x))
+    for rows in (1, 2, 17, TEMPLATE_MAX_ROWS, TEMPLATE_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        torch.testing.assert_close(lin(x).float(), (x @ w.T).float(), rtol=1e-2, atol=2e-2)
+    assert calls == [2, 17, TEMPLATE_MAX_ROWS]   # one row and prompt-sized passes stay on oneDNN

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.gemm_template import MAX_ROWS, GemmPackage, TemplateLinear, pack_weight
+from engine.gemm_template import MAX_ROWS, GemmPackage, TemplateLinear, pack_weight, unpack_weight
 from engine.linear import bf16_matmul_fast
 
 pytestmark = pytest.mark.unit
@@ -22,6 +22,7 @@ def test_pack_weight_lays_out_column_blocks_with_row_pairs_interleaved():
         for k in range(6):
             want = w[n, k] if n < 5 else 0     # columns past N are zero padding
             assert pairs[n // 4, k // 2, n % 4, k % 2] == want
+    assert torch.equal(unpack_weight(packed, 5), w)
     with pytest.raises(ValueError, match="K even"):
         pack_weight(torch.zeros(4, 5, dtype=torch.bfloat16), 4)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -30,19 +31,25 @@ def test_pack_weight_lays_out_column_blocks_with_row_pairs_interleaved():
 
 @pytest.mark.skipif(not bf16_matmul_fast(),
                     reason="no native bfloat16 matmuls on this CPU: the engine keeps float32 dense copies there")
-def test_each_projection_multiplies_by_its_own_weight_through_one_package_per_shape():
+def test_each_projection_multiplies_by_its_own_weight_through_one_package_per_shape_and_thread_count():
     packages: dict = {}
     gen = torch.Generator().manual_seed(3)
+    # N = 80: not a multiple of 32, so some thread counts' micro-kernels read blocks of 16 columns
     weights = [(torch.randn(80, 64, generator=gen) * 0.125).to(torch.bfloat16) for _ in range(2)]
     linears = [TemplateLinear(w, packages) for w in weights]
-    for rows in (2, 5, 64):
-        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
-        for lin, w in zip(linears, weights):
-            assert torch.allclose(lin(x).float(), F.linear(x, w).float(), atol=2e-2, rtol=1e-2)
-    assert list(packages) == [(torch.get_num_threads(), 80, 64)]   # both weights, one package
-    package = packages[(torch.get_num_threads(), 80, 64)]
-    assert isinstance(package, GemmPackage) and package.block_n in (16, 32, 48, 64)
-    assert not torch.allclose(linears[0](x).float(), linears[1](x).float(), atol=0.1)   # not one weight for both
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (2, 5, 64):
+                x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+                for lin, w in zip(linears, weights):
+                    assert torch.allclose(lin(x).float(), F.linear(x, w).float(), atol=2e-2, rtol=1e-2), (count, rows)
+            assert not torch.allclose(linears[0](x).float(), linears[1](x).float(), atol=0.1)   # each its own weight
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(packages) == [(1, 80, 64), (2, 80, 64)]   # both weights, one package per thread count
+    assert all(isinstance(p, GemmPackage) and p.block_n in (16, 32, 48, 64) for p in packages.values())
     with pytest.raises(ValueError, match="2 to"):
         linears[0](torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16"):

@@ -37,6 +37,8 @@ def test_num_blocks_defaults_per_role():
     ({"role": "decode", "weights": "native", "device": "cuda", "transfer_engine": "verbs"}, "CPU only"),
     ({"role": "prefill", "kv_send": "chunk"}, "kv_send"),
     ({"role": "decode", "max_prefill_tokens_while_decoding": 0}, "max_prefill_tokens_while_decoding"),
+    ({"role": "decode", "linear_backend": "mkl"}, "linear_backend"),
+    ({"role": "decode", "linear_backend": "template", "tensor_parallel_size": 2}, "tensor parallel size 1"),
 ])
 def test_invalid_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -99,3 +101,11 @@ def test_transfer_engines_agree_and_cuda_ipc_needs_a_gpu_pool():
     with pytest.raises(ValueError, match="cuda_ipc transfer engine moves GPU pools"):
         WorkerConfig(role="decode", transfer_engine="cuda_ipc")
     assert WorkerConfig(role="decode", transfer_engine="tcp", device="cuda").device == "cuda"   # staged
+
+
+def test_linear_backends_agree_with_the_engines():
+    from engine.linear import BACKENDS
+    from worker.config import LINEAR_BACKENDS
+
+    assert LINEAR_BACKENDS == BACKENDS   # the config's torch-free copy
+    assert WorkerConfig(role="decode").linear_backend == "auto"
