@@ -89,7 +89,6 @@ class GemmPackage:
 
     def __init__(self, out_features: int, in_features: int):
         self.out_features, self.in_features = out_features, in_features
-        self.threads = torch.get_num_threads()
 
         def export():
             example = torch.zeros(2, in_features, dtype=torch.bfloat16)
@@ -101,8 +100,6 @@ class GemmPackage:
         try:
             package = load_or_build("gemm_template", {"out": out_features, "in": in_features},
                                     [__file__], export, _template_codegen)
-        except TemplateUnavailable:
-            raise
         except Exception as exc:   # inductor's and export's own errors, many types
             raise TemplateUnavailable(f"GEMM template for {out_features}x{in_features}: {exc}") from exc
         self.path: Path = package.path
