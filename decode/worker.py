@@ -62,6 +62,7 @@ from engine.sampling import SamplingParams
 from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason
 from kvtransfer import KVTransferError, PeerLostError, SlotState, TransferError, TransferTimeout
+from worker.async_sink import put_each
 from worker.errors import DrainingError, UnknownRequestError
 from worker.gate import StepGate
 from worker.liveness import LoopWatch
@@ -367,8 +368,13 @@ class DecodeWorker:
         del self._reservations[r.request_id]
         self._state.notify_all()
 
-    def _finish(self, r: Reservation, out: StepOutput) -> None:
-        r.sink.put(out)
+    def _finish(self, r: Reservation, out: StepOutput, deliveries: list | None = None) -> None:
+        """``out`` to ``r``'s sink (appended to ``deliveries`` for the caller to hand over
+        together, `worker.async_sink.put_each`), and the request's end when it finished."""
+        if deliveries is None:
+            r.sink.put(out)
+        else:
+            deliveries.append((r.sink, out))
         if out.request_finished and r.state == ResState.DECODING:
             r.move(ResState.DONE)
             del self._reservations[r.request_id]
@@ -459,11 +465,13 @@ class DecodeWorker:
                 self.res.lose(f"tensor-parallel group broken: {exc}")
             outputs = [o for rid in [s.request_id for s in self.gen.running + list(self.gen.waiting)]
                        if (o := self.gen.abort(rid)) is not None]
+        deliveries: list = []
         with self._state:
             for out in outputs:
                 r = self._reservations.get(out.request_id)
                 if r is not None:
-                    self._finish(r, out)
+                    self._finish(r, out, deliveries)
+            put_each(deliveries)   # the step's tokens: one wake-up of the RPC server's loop
 
     def _loop(self) -> None:
         while not self._stop.is_set():

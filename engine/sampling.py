@@ -3,8 +3,10 @@ greedy / temperature / min-p / top-k / top-p, seeded draws that do not depend on
 logprobs.
 
 Every row of a batch is processed alone: a row without penalties, bias or min_tokens costs
-nothing beyond the batch's single ``max`` (greedy) or its own draw, and a row that cannot be
-sampled fails alone (`SamplingError`).
+nothing beyond the batch's single ``max`` (greedy) or its draw, and a row that cannot be sampled
+fails alone (`SamplingError`). The draws of unseeded rows with a temperature and no other
+filter, the common sampled row, are computed together from `DRAW_ROWS_MIN` of them
+(`draw_rows`), each from its own generator's uniform number.
 
 Reproducibility across the prefill/decode split and across retries: a seeded request's draw of
 output token ``i`` uses a generator seeded from ``(seed, i)`` only (`draw_seed`), so the prefill
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -246,17 +249,97 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int | Sampli
     # One pass gives the greedy token and whether the row can be sampled: ``max`` propagates NaN,
     # so the row's maximum is finite exactly when the row has no NaN, no +inf and is not all -inf
     # (-inf entries alone are masked tokens). Cheaper than argmax plus isfinite().all()
-    # (measured: docs/PERFORMANCE.md, "Sampling").
-    best, index = logits.max(dim=-1)
-    out: list[int | SamplingError] = index.tolist()
+    # (measured: docs/PERFORMANCE.md, "Sampling"). Where some rows are drawn, ``amax`` (no
+    # indices, a fraction of ``max``'s cost) gives the maxima, and ``max`` runs on the greedy rows.
+    greedy = [r for r, row in enumerate(rows) if row.params.greedy and not row.params.has_processors]
+    out: list[int | SamplingError]
+    if len(greedy) == len(rows):
+        best, index = logits.max(dim=-1)
+        out = index.tolist()
+    else:
+        best = logits.amax(dim=-1)
+        out = [0] * len(rows)
+        if greedy:
+            picked = logits.index_select(0, torch.tensor(greedy)).max(dim=-1).indices.tolist()
+            for r, token in zip(greedy, picked):
+                out[r] = token
     valid = torch.isfinite(best).tolist()
+    plain: list[int] = []
     for r, row in enumerate(rows):
         p = row.params
         if not valid[r]:
             out[r] = SamplingError(f"row {r}: the model produced NaN or infinite logits")
+        elif plain_temperature(p):
+            plain.append(r)
         elif p.has_processors or not p.greedy:
             out[r] = _sample_row(logits[r], row)
+    if len(plain) < DRAW_ROWS_MIN:
+        for r in plain:
+            out[r] = _sample_row(logits[r], rows[r])
+    else:
+        index = torch.tensor(plain)
+        temperatures = torch.tensor([rows[r].params.temperature for r in plain])
+        u = torch.cat([torch.rand(1, generator=rows[r].generator) for r in plain])
+        tokens = draw_rows(logits.index_select(0, index) if len(plain) < len(rows) else logits,
+                           best.index_select(0, index), temperatures, u)
+        for r, token in zip(plain, tokens.tolist()):
+            out[r] = token
     return out
+
+
+def plain_temperature(p: SamplingParams) -> bool:
+    """Whether a row is drawn by `draw_rows` with its batch-mates: sampled (not greedy), no
+    logits processor, no min_p / top_k / top_p filter, and no seed (a seeded row is drawn alone,
+    so its token cannot depend on its batch-mates; `draw_seed`)."""
+    return (not p.greedy and not p.has_processors and p.seed is None and p.min_p == 0.0
+            and not 0 < p.top_k and p.top_p >= 1.0)
+
+
+DRAW_CHUNK = 256
+"""Vocabulary entries per chunk of `draw_rows`' two-level search."""
+DRAW_ROWS_MIN = 8
+"""`sample` draws its plain temperature rows together (`draw_rows`) from this many; fewer are
+drawn one at a time, where the shared passes' fixed cost outweighs what they save (measured:
+``python -m bench.sampling``, docs/PERFORMANCE.md "Sampled rows drawn together")."""
+
+
+def draw_rows(logits: torch.Tensor, best: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from ``softmax(logits / temperature)``, by inverse transform sampling
+    in two levels: the row's unnormalised probabilities ``exp((logits - best) / temperature)``
+    (each row's largest is 1, so the total is at least 1), their sums over chunks of
+    `DRAW_CHUNK` tokens, the chunk where the running sum of those passes ``u`` times the total,
+    then the token inside it; the same draw as `draw` over the whole row's cumulative sum
+    without computing it (a running sum is the one step of a draw that does not vectorise).
+    A token of probability 0 (a -inf logit) is never picked.
+
+    Args:
+        logits: ``[R, vocab]`` float32, finite row maxima (`sample` checks them).
+        best: ``[R]`` float32, each row's maximum.
+        temperatures: ``[R]`` float32, each > 0.
+        u: ``[R]`` float32, uniform in ``[0, 1)``.
+    Returns:
+        ``[R]`` int64 token ids.
+    """
+    rows, vocab = logits.shape
+    chunks = _scratch(rows, -(-vocab // DRAW_CHUNK) * DRAW_CHUNK).view(rows, -1, DRAW_CHUNK)
+    weights = chunks.view(rows, -1)
+    torch.sub(logits, best[:, None], out=weights[:, :vocab])
+    weights[:, vocab:] = float("-inf")   # padding to whole chunks: weight 0
+    if bool((temperatures != 1.0).any()):
+        weights.div_(temperatures[:, None])
+    weights.exp_()
+    running = chunks.sum(-1).cumsum_(-1)                                 # [R, chunks]
+    total = running[:, -1:]
+    # u * total can round up to the total: stay below it, so the chunk found holds a weight
+    target = torch.minimum(u[:, None] * total, total * (1 - 2**-20))
+    chunk = torch.searchsorted(running, target, right=True).clamp_(max=running.shape[1] - 1)
+    before = torch.where(chunk > 0, running.gather(1, (chunk - 1).clamp(min=0)), 0.0)
+    inside = chunks.gather(1, chunk[:, :, None].expand(rows, 1, DRAW_CHUNK)).squeeze(1).cumsum_(-1)
+    # the chunk's own running sum rounds apart from the chunk sums: keep the target inside
+    # (0 .. its last running sum), where the first entry above it has a weight
+    target = torch.minimum((target - before).clamp_(min=0.0), inside[:, -1:] * (1 - 2**-20))
+    position = torch.searchsorted(inside, target, right=True).clamp_(max=DRAW_CHUNK - 1)
+    return (chunk * DRAW_CHUNK + position).squeeze(1)
 
 
 def process_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -331,6 +414,19 @@ def warp_logits(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     return scores
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(rows: int, columns: int) -> torch.Tensor:
+    """A float32 ``[rows, columns]`` buffer of the calling thread, kept between calls: a draw's
+    weights are as large as the logits, and a fresh allocation of that size costs the CPU about
+    as much as a pass over it (the pages are faulted in again)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < rows * columns:
+        buf = _SCRATCH.buf = torch.empty(rows * columns)
+    return buf[:rows * columns].view(rows, columns)
 
 
 def draw(cdf: torch.Tensor, u: torch.Tensor) -> int:

@@ -237,3 +237,65 @@ def test_logprobs_are_log_softmax_of_the_raw_logits_with_the_top_k():
     assert [t for t, _ in out[0].top] == top.indices.tolist()
     assert torch.allclose(torch.tensor([v for _, v in out[0].top]), top.values)
     assert out[2].top == () and abs(out[2].logprob - want[2, tokens[2]].item()) < 1e-6
+
+
+def test_rows_drawn_together_follow_each_rows_tempered_distribution_and_skip_masked_tokens():
+    """`draw_rows` over a vocabulary that is not a whole number of chunks (49157 = 192 x 256 +
+    5), where only every 7th token may be picked: u at 0, at a chunk's edge and just below 1
+    never gives a masked token; each row's frequencies follow softmax(logits / its temperature)
+    (a row drawn at the wrong temperature, or a chunk offset off by one, fails)."""
+    from engine.sampling import DRAW_CHUNK, draw_rows
+
+    vocab, draws = 49157, 6000
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.full((2, vocab), float("-inf"))
+    allowed = torch.arange(0, vocab, 7)
+    logits[:, allowed] = torch.randn(2, allowed.numel(), generator=gen)
+    likely = allowed[[0, 1000, 5000, -1]]   # inside chunks 0, 27 and 136, and the last token
+    logits[:, likely] += torch.tensor([6.0, 6.0, 5.5, 5.0])
+    temperatures = torch.tensor([1.0, 0.5])
+    best = logits.amax(-1)
+    probs = (logits / temperatures[:, None]).softmax(-1)
+    running = probs.cumsum(-1)
+    edge = float(running[0, DRAW_CHUNK - 1]) / float(running[0, -1])
+    for u in (0.0, edge, 1 - 2**-24):
+        tokens = draw_rows(logits, best, temperatures, torch.tensor([u, u]))
+        assert all(t % 7 == 0 for t in tokens.tolist()), tokens
+    tail_masked = logits.clone()
+    tail_masked[:, -3 * DRAW_CHUNK:] = float("-inf")   # u * total rounding up must not land there
+    tokens = draw_rows(tail_masked, best, temperatures, torch.tensor([1.0, 1.0]))
+    assert all(t % 7 == 0 and t < vocab - 3 * DRAW_CHUNK for t in tokens.tolist()), tokens
+    picks = torch.stack([draw_rows(logits, best, temperatures, torch.rand(2, generator=gen)) for _ in range(draws)])
+    assert bool((picks % 7 == 0).all())
+    for r in range(2):
+        freq = torch.bincount(picks[:, r], minlength=vocab).float() / draws
+        for token in likely.tolist():
+            assert abs(float(freq[token]) - float(probs[r, token])) < 0.025, (r, token, float(freq[token]),
+                                                                                 float(probs[r, token]))
+
+
+def test_sample_draws_plain_rows_together_from_their_own_generators_and_leaves_the_others_alone():
+    """A batch of greedy, seeded, top-k, NaN and `DRAW_ROWS_MIN` plain temperature rows: the
+    plain rows' tokens are `draw_rows`' over their own logits, temperatures and generators' next
+    numbers; the other rows are what each alone gives. Fewer plain rows are drawn one at a time."""
+    from engine.sampling import DRAW_ROWS_MIN, draw_rows, plain_temperature
+
+    gen = torch.Generator().manual_seed(5)
+    temps = [0.5 + 0.1 * i for i in range(DRAW_ROWS_MIN)]
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=4),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.9), SamplingParams(temperature=0)]
+    params += [SamplingParams(temperature=t) for t in temps]
+    logits = torch.randn(len(params), 300, generator=gen) * 3
+    logits[3, 9] = float("nan")
+    assert [plain_temperature(p) for p in params] == [False, False, False, True, False] + [True] * DRAW_ROWS_MIN
+    rows = [Row(p, _seeded(100 + i) if not p.greedy else None, [1, 2, 3]) for i, p in enumerate(params)]
+    out = sample(logits, rows)
+    plain = torch.arange(5, len(params))
+    u = torch.cat([torch.rand(1, generator=_seeded(100 + r)) for r in plain.tolist()])
+    assert out[5:] == draw_rows(logits[plain], logits[plain].amax(-1), torch.tensor(temps), u).tolist()
+    assert [out[0], out[2], out[4]] == logits[[0, 2, 4]].argmax(-1).tolist()
+    assert out[1] == sample(logits[1:2], [Row(params[1], _seeded(101), [1, 2, 3])])[0]
+    assert isinstance(out[3], SamplingError)
+    few = [Row(SamplingParams(temperature=1.0), _seeded(7), [1]) for _ in range(2)]
+    alone = [Row(SamplingParams(temperature=1.0), _seeded(7), [1])]
+    assert sample(logits[5:7], few)[0] == sample(logits[5:6], alone)[0]   # one at a time, as alone
