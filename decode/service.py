@@ -129,6 +129,7 @@ class DecodeService(pb_grpc.DecodeServicer):
     async def Stats(self, request, context):
         load = await _ctl(self.load)
         counters = dict(self.worker.metrics)
+        counters.update(self.worker.gen.decode_steps)
         cs = self.worker.counter.stats()
         counters.update(stale_immediates_dropped=cs.stale_dropped, invalid_immediates_dropped=cs.invalid_dropped,
                         transfer_timeouts=cs.timed_out, loop_errors=self.worker.watch.errors)

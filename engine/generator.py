@@ -92,6 +92,11 @@ class Generator:
             strings are honoured, and the template's stop ids end generation.
         grammars: the `engine.grammar.Grammars` for requests with a grammar (default: one for
             ``tokenizer`` when given; without either, such requests are refused).
+
+    ``decode_steps`` counts the passes of decode rows alone (no prompt chunk): ``decode_steps``
+    passes, ``decode_step_rows`` rows in them, ``decode_step_seconds`` of wall time (the pass and
+    its sampling); the decode worker reports them in its Stats counters, so a served run's mean
+    step time and batch size can be read from the worker (``/admin/workers?stats=true``).
     """
 
     def __init__(self, model: CausalLM, pool: KVPool, tokenizer=None,
@@ -105,6 +110,8 @@ class Generator:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefill_rate = RateMeter()   # prompt tokens/s of passes with prompts (HRRN's service time)
+        # passes of decode rows alone: their count, rows and seconds (the pass, sampling included)
+        self.decode_steps = {"decode_steps": 0, "decode_step_rows": 0, "decode_step_seconds": 0.0}
         self._by_id: dict[RequestId, Sequence] = {}
         self._families: dict[RequestId, list[Sequence]] = {}   # request -> its sequences (n > 1)
         self._stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer else frozenset()
@@ -245,8 +252,14 @@ class Generator:
             return []
         t0 = time.perf_counter()
         outputs = self._run(decode + prompts)
+        seconds = time.perf_counter() - t0
         if prompts:   # the pass's time, decode rows included: what a prompt waits for per pass
-            self.prefill_rate.add(sum(len(c.token_ids) for _, c in prompts), time.perf_counter() - t0)
+            self.prefill_rate.add(sum(len(c.token_ids) for _, c in prompts), seconds)
+        else:
+            counts = self.decode_steps
+            counts["decode_steps"] += 1
+            counts["decode_step_rows"] += len(decode)
+            counts["decode_step_seconds"] += seconds
         return outputs
 
     def _prefill_order(self) -> list[Sequence]:

@@ -64,9 +64,15 @@ def test_later_turns_send_only_what_the_decode_worker_lacks(cluster, tokenizer, 
         ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
         sent, skipped, held = (_prefill_counter(cluster, "kv_bytes_sent"), _prefill_counter(cluster, "kv_bytes_skipped"),
                                _prefill_counter(cluster, "blocks_held_at_reserve", "decode"))
+        steps, rows = (_prefill_counter(cluster, "decode_steps", "decode"),
+                       _prefill_counter(cluster, "decode_step_rows", "decode"))
         reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
         text = reply.choices[0].message.content
         assert text == reference(ids, 32).text, f"turn {turn + 1}"
+        # the decode worker's step counters: one decode step per token after the first
+        steps = _prefill_counter(cluster, "decode_steps", "decode") - steps
+        assert steps == reply.usage.completion_tokens - 1, (steps, reply.usage.completion_tokens)
+        assert _prefill_counter(cluster, "decode_step_rows", "decode") - rows == steps
         sent = _prefill_counter(cluster, "kv_bytes_sent") - sent
         skipped = _prefill_counter(cluster, "kv_bytes_skipped") - skipped
         held = _prefill_counter(cluster, "blocks_held_at_reserve", "decode") - held
