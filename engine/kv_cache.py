@@ -29,6 +29,7 @@ the changes since the last call, or a snapshot of every cached hash.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 from typing import Iterable, Sequence
@@ -295,6 +296,37 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+HUGE_PAGE_BYTES = 2 << 20
+"""The transparent huge page size `host_buffer` aligns to (x86-64's and most ARM kernels')."""
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A zero-filled 1-D ``torch.uint8`` tensor of ``nbytes`` bytes in private anonymous memory,
+    starting on a `HUGE_PAGE_BYTES` boundary and advised ``MADV_HUGEPAGE`` before any page of it
+    is touched, so that the kernel backs it with transparent huge pages where it allows them
+    (``/sys/kernel/mm/transparent_hugepage/enabled`` ``always`` or ``madvise``; with ``never``
+    it stays on base pages, as ``torch.zeros`` would). A decode step reads each sequence's blocks
+    scattered over the pool, and on base pages nearly every block costs a TLB miss (measured:
+    docs/PERFORMANCE.md, "The KV pool on huge pages"). The mapping lives as long as a tensor
+    viewing it.
+
+    Raises:
+        ValueError: ``nbytes`` is not positive.
+        OSError: the mapping cannot be made (out of address space).
+    """
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:   # a kernel without transparent huge pages: base pages, as torch.zeros
+            pass
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[start:start + nbytes]
+
+
 class KVPool:
     """The KV cache tensor of one worker plus its allocator.
 
@@ -318,7 +350,11 @@ class KVPool:
         self.cache = cache
         self.shape = (model.num_layers, 2, model.num_kv_heads, cache.num_blocks,
                       cache.block_size, model.head_dim)
-        if buffer is None:
+        if buffer is None and torch.device(device).type == "cpu":
+            need = self.nbytes_for(model, cache)
+            self.kv = host_buffer(need).view(cache.torch_dtype).view(self.shape)
+            self.kv.zero_()   # every page faulted in now, as torch.zeros does, not in a step
+        elif buffer is None:
             self.kv = torch.zeros(self.shape, dtype=cache.torch_dtype, device=device)
         else:
             need = self.nbytes_for(model, cache)

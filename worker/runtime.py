@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from engine.config import CacheConfig, compatibility_hash
-from engine.kv_cache import KVPool
+from engine.kv_cache import KVPool, host_buffer
 from engine.linear import BUCKET_FROM_ROWS, warm_row_buckets, warm_templates
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.aot_kernel import cache_dir as aot_cache_dir
@@ -295,7 +295,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     elif config.role == "decode" and config.transfer_engine in ("auto", "shm"):
         buffer, shared = allocate_shared_buffer(nbytes)
     else:
-        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        buffer = host_buffer(nbytes)
     if tp:   # the followers' pools: in shared memory as rank 0's
         loaded.model.call("kv_buffer", shared is not None)
     pool = make_pool(loaded, cache, buffer)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_cache import host_buffer
 from kvtransfer import (EngineConfig, KVLayout, KVTransferError, MemoryRegion, PeerId,
                         TransferEngine, TransferError, WriteHandle, allocate_shared_buffer, create_engine,
                         to_write_ops)
@@ -218,7 +219,7 @@ class RankDataPlane:
         if self._shared:
             buffer, self._shm = allocate_shared_buffer(nbytes)
         else:
-            buffer = torch.zeros(nbytes, dtype=torch.uint8)
+            buffer = host_buffer(nbytes)
         self._buffer = buffer[:nbytes]
         return buffer
 
