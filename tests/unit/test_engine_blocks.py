@@ -126,43 +126,6 @@ def test_pool_over_external_buffer():
         KVPool(TINY, CacheConfig(block_size=8, num_blocks=5), buffer=buf[:100])
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages (kB) of this process's mapping holding ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def test_a_cpu_pool_lies_on_transparent_huge_pages_where_the_kernel_allows_them():
-    """`host_buffer` (a CPU pool's memory): zero-filled, on a huge-page boundary, and, where
-    the kernel's THP mode is ``madvise`` or ``always``, backed by huge pages once touched (a pool
-    of ``torch.zeros`` under ``madvise`` has none: the advice is what the test checks)."""
-    from engine.kv_cache import HUGE_PAGE_BYTES, host_buffer
-
-    buf = host_buffer(8 * HUGE_PAGE_BYTES)
-    assert buf.dtype == torch.uint8 and buf.numel() == 8 * HUGE_PAGE_BYTES
-    assert buf.data_ptr() % HUGE_PAGE_BYTES == 0 and int(buf.count_nonzero()) == 0
-    with pytest.raises(ValueError):
-        host_buffer(0)
-    try:
-        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        pytest.skip("no transparent huge pages on this kernel (no /sys/kernel/mm/transparent_hugepage)")
-    if mode == "never":
-        pytest.skip("transparent huge pages are off on this host (enabled: never)")
-    buf.fill_(1)
-    assert _anon_huge_kb(buf.data_ptr()) >= HUGE_PAGE_BYTES // 1024, "no huge page behind the pool"
-    pool = KVPool(TINY, CacheConfig(block_size=8, num_blocks=4096))
-    assert pool.kv.data_ptr() % HUGE_PAGE_BYTES == 0 and _anon_huge_kb(pool.kv.data_ptr()) > 0
-    assert int(pool.kv.count_nonzero()) == 0
-
-
 def test_forward_batch_slots_and_decode_mask():
     batch = ForwardBatch.build([SeqChunk([5], 9, [3, 1]), SeqChunk([6], 2, [4])], block_size=8)
     assert batch.is_decode

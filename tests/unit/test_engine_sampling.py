@@ -244,7 +244,7 @@ def test_rows_drawn_together_follow_each_rows_tempered_distribution_and_skip_mas
     5), where only every 7th token may be picked: u at 0, at a chunk's edge and just below 1
     never gives a masked token; each row's frequencies follow softmax(logits / its temperature)
     (a row drawn at the wrong temperature, or a chunk offset off by one, fails)."""
-    from engine.sampling import DRAW_CHUNK, draw_rows
+    from engine.draw import DRAW_CHUNK, draw_rows
 
     vocab, draws = 49157, 6000
     gen = torch.Generator().manual_seed(11)
@@ -278,7 +278,8 @@ def test_sample_draws_plain_rows_together_from_their_own_generators_and_leaves_t
     """A batch of greedy, seeded, top-k, NaN and `DRAW_ROWS_MIN` plain temperature rows: the
     plain rows' tokens are `draw_rows`' over their own logits, temperatures and generators' next
     numbers; the other rows are what each alone gives. Fewer plain rows are drawn one at a time."""
-    from engine.sampling import DRAW_ROWS_MIN, draw_rows, plain_temperature
+    from engine.draw import DRAW_ROWS_MIN, draw_rows
+    from engine.sampling import plain_temperature
 
     gen = torch.Generator().manual_seed(5)
     temps = [0.5 + 0.1 * i for i in range(DRAW_ROWS_MIN)]
