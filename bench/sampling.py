@@ -8,7 +8,7 @@ depend on their values) and rows of plain temperature sampling, each with its ow
 request has (`engine.sampling.SamplingParams.make_generator`), median milliseconds of:
 
 - ``sample``: `engine.sampling.sample` as a step calls it (the rows' draws together,
-  `engine.sampling.draw_rows`, from two rows on);
+  `engine.draw.draw_rows`, from `engine.draw.DRAW_ROWS_MIN` rows on);
 - ``one at a time``: the sampler before that (`one_at_a_time`): one ``max`` with indices over the
   batch (the validity check), then each row's own draw (`engine.sampling._sample_row`: the row's
   softmax, its whole running sum and a search);

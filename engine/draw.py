@@ -11,9 +11,10 @@ import torch
 DRAW_CHUNK = 256
 """Vocabulary entries per chunk of `draw_rows`' two-level search."""
 DRAW_ROWS_MIN = 8
-"""`engine.sampling.sample` draws its plain temperature rows together (`draw_rows`) from this many; fewer are
-drawn one at a time, where the shared passes' fixed cost outweighs what they save (measured:
-``python -m bench.sampling``, docs/PERFORMANCE.md "Sampled rows drawn together")."""
+"""`engine.sampling.sample` draws its plain temperature rows together (`draw_rows`) from this
+many; fewer are drawn one at a time, where the shared passes' fixed cost outweighs what they
+save (measured: ``python -m bench.sampling``, docs/PERFORMANCE.md "Sampled rows drawn
+together")."""
 
 
 def draw_rows(logits: torch.Tensor, best: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
