@@ -6,7 +6,7 @@ Two tables, real forward passes of the default model on this machine, one run:
 
 1. **Pass size**: one prompt of 16 .. 1024 tokens per pass, tokens/s (median of repetitions).
    Where tokens/s stops rising is the knee `engine.scheduling` batches up to
-   (``--prefill-batch-tokens``; `engine.scheduling.CPU_BATCH_TOKENS` on the CPU).
+   (``--prefill-batch-tokens``; a CPU worker times its own at start-up: `engine.prefill_knee`).
 2. **A burst**: prompts that queue together (new tokens after a cached prefix, the shape of
    multi-turn chat with prefix caching), each policy's passes run for real, every prompt's TTFT
    = the end of the pass holding its last chunk: ``fifo-one-pass`` (arrival order, everything
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--weights", default="fp32")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--batch-tokens", type=int, default=0, help="the scheduler's knee (0: the CPU default)")
+    ap.add_argument("--batch-tokens", type=int, default=0, help="the scheduler's knee (0: the untimed CPU default, 128)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

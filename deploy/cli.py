@@ -81,6 +81,7 @@ def launcher_config(args: argparse.Namespace):
         worker_args=(("--prefix-caching",) if args.prefix_caching else ())
         + (() if args.enforce_eager else ("--no-enforce-eager",))
         + (("--linear-backend", args.linear_backend) if args.linear_backend != "auto" else ())
+        + (("--prefill-batch-tokens", str(args.prefill_batch_tokens)) if args.prefill_batch_tokens else ())
         + ("--attention-backend", attention_backend(args), "--kv-send", args.kv_send,
            "--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
@@ -246,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-prefill-tokens-while-decoding", type=int, default=512, metavar="TOKENS",
                    help="colocated and auto modes: most prompt tokens a decode worker's pass carries "
                         "beside decoding sequences (smaller: a lower TPOT p99, a longer TTFT)")
+    u.add_argument("--prefill-batch-tokens", type=int, default=0, metavar="TOKENS",
+                   help="prompts after a pass's first join it only while the pass stays within this "
+                        "many prompt tokens (engine.scheduling; 0: the device's default)")
     u.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching on every worker (recompute and resend only what no cache "
                         "holds) and KV-aware routing (--policy kv unless --policy says otherwise); on by "

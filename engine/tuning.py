@@ -20,7 +20,8 @@ during it. A file that cannot be read back is timed again and replaced, with a w
 
 Other choices a worker times at start-up are kept the same way (`kept_timings`): the prompt
 attention's kernel against SDPA (`engine.prefill_choice`), whose two sides can be within the
-timing's noise at some lengths, so that every start would otherwise draw its own choice.
+timing's noise at some lengths, so that every start would otherwise draw its own choice, and the
+prompt tokens a pass batches up to (`engine.prefill_knee`).
 """
 
 from __future__ import annotations

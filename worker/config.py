@@ -62,7 +62,9 @@ class WorkerConfig:
         prefill_batch_tokens: prompts after a pass's first join it only while its prompt
             tokens stay within this, the device's throughput knee (`engine.scheduling`): the
             prefill worker's passes, and the decode worker's in colocated and auto modes; 0:
-            128 on the CPU, ``max_num_batched_tokens`` on CUDA.
+            on the CPU the knee timed at start-up (`engine.prefill_knee`, kept per machine;
+            128 where it is not timed: compiled layers, tensor parallelism, a pool too small
+            to time in), ``max_num_batched_tokens`` on CUDA.
         prefix_caching: keep a prefix cache of full KV blocks (engine.kv_cache): the prefill worker
             computes only what follows a prompt's cached prefix; the decode worker holds the
             cached blocks of a prompt at Reserve so they are not sent again (delta transfer)

@@ -169,3 +169,26 @@ class CpuLending:
         """Mark the own CPUs busy (a worker gone lends nothing) and unmap the board."""
         self.busy(True)
         self.board.close()
+
+
+def lending_of(config) -> CpuLending | None:
+    """The worker's `CpuLending` when ``config`` (a `worker.config.WorkerConfig`) names a CPU board: its own CPUs are its affinity
+    (the calling thread's) less the lent ones. Raises ValueError (none of its own left), OSError /
+    ValueError from the board."""
+    if not config.cpu_board:
+        return None
+    lent = set(config.lent_cpus())
+    own = process_cpus() - lent
+    if not own:
+        raise ValueError(f"borrow_cpus {sorted(lent)} leave this worker no CPU of its own")
+    return CpuLending(CpuBoard(config.cpu_board), own, lent, threads_bound=omp_binds_threads())
+
+
+def pin_to_own_cpus(config) -> None:
+    """With CPU lending (``config``: a `worker.config.WorkerConfig`), keep the main thread and every
+    thread started after this on the worker's own CPUs (`process_cpus` less the lent ones); the
+    process was allowed the lent ones too, so that libgomp counts them (module docstring)."""
+    if config.cpu_board:
+        own = process_cpus() - set(config.lent_cpus())
+        if own:
+            os.sched_setaffinity(0, own)

@@ -31,6 +31,7 @@ from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
 from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
 from engine.prefill_choice import choose_prefill_lengths
+from engine.prefill_knee import choose_batch_tokens
 from engine.glue import CompiledGlue
 from engine.paged_decode import CompiledDecode
 from engine.runner import prefix_caching_conflict
@@ -44,7 +45,7 @@ from rpc import PROTOCOL_VERSION
 from rpc.auth import TLSFiles
 from rpc import pdserve_pb2 as pb
 from worker.config import WorkerConfig
-from worker.cpu_board import CpuBoard, CpuLending, omp_binds_threads, process_cpus
+from worker.cpu_board import CpuLending, lending_of, pin_to_own_cpus
 from worker.registration import RegistrationClient
 from worker.rpcserver import AioServer
 
@@ -302,6 +303,11 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     _set_attention_kernels(config, loaded.model, pool)
     if config.device == "cpu" and hasattr(loaded.model, "projection_kernels"):
         _warm_row_buckets(config, loaded.model)
+        if not config.prefill_batch_tokens and config.enforce_eager and not tp:   # time the CPU's knee
+            knee, line = choose_batch_tokens(loaded.model, pool, config.threads, config.weights,
+                                             config.max_num_batched_tokens)
+            log.info("prefill batch tokens: %s", line)
+            config = dataclasses.replace(config, prefill_batch_tokens=knee)
     if not config.enforce_eager:
         seconds = loaded.model.warm_up(pool)
         log.info("compiled the model's layers in %.1f s (inductor's cache: %s)", seconds,
@@ -408,29 +414,6 @@ class WorkerProcess:
         self.service.close()
         self.res.close()
         self.stopped.set()
-
-
-def lending_of(config: WorkerConfig) -> CpuLending | None:
-    """The worker's `CpuLending` when ``config`` names a CPU board: its own CPUs are its affinity
-    (the calling thread's) less the lent ones. Raises ValueError (none of its own left), OSError /
-    ValueError from the board."""
-    if not config.cpu_board:
-        return None
-    lent = set(config.lent_cpus())
-    own = process_cpus() - lent
-    if not own:
-        raise ValueError(f"borrow_cpus {sorted(lent)} leave this worker no CPU of its own")
-    return CpuLending(CpuBoard(config.cpu_board), own, lent, threads_bound=omp_binds_threads())
-
-
-def pin_to_own_cpus(config: WorkerConfig) -> None:
-    """With CPU lending, keep the main thread and every thread started after this on the worker's
-    own CPUs (`process_cpus` less the lent ones); the process was allowed the lent ones too, so
-    that libgomp counts them (`worker.cpu_board`)."""
-    if config.cpu_board:
-        own = process_cpus() - set(config.lent_cpus())
-        if own:
-            os.sched_setaffinity(0, own)
 
 
 T = TypeVar("T")

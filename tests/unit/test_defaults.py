@@ -76,6 +76,14 @@ def test_pdserve_up_keeps_onednn_unless_asked_for_the_gemm_template():
     assert args[args.index("--linear-backend") + 1] == "template"
 
 
+def test_pdserve_up_leaves_the_prefill_batch_to_the_timed_knee_unless_told_one():
+    """No ``--prefill-batch-tokens``: the workers time the CPU's knee (`engine.prefill_knee`)."""
+    assert "--prefill-batch-tokens" not in launcher_config(build_parser().parse_args(["up"])).worker_args
+    assert WorkerConfig(role="prefill").prefill_batch_tokens == 0
+    args = launcher_config(build_parser().parse_args(["up", "--prefill-batch-tokens", "256"])).worker_args
+    assert args[args.index("--prefill-batch-tokens") + 1] == "256"
+
+
 def test_pdserve_up_passes_the_decode_prompt_budget_to_its_workers():
     def budget(*argv):
         args = launcher_config(build_parser().parse_args(["up", *argv])).worker_args
