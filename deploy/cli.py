@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "beside decoding sequences (smaller: a lower TPOT p99, a longer TTFT)")
     u.add_argument("--prefill-batch-tokens", type=int, default=0, metavar="TOKENS",
                    help="prompts after a pass's first join it only while the pass stays within this "
-                        "many prompt tokens (engine.scheduling; 0: the device's default)")
+                        "many prompt tokens (engine.scheduling; 0: on the CPU the knee each worker times "
+                        "once per machine, engine.prefill_knee; on CUDA a pass's token cap)")
     u.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching on every worker (recompute and resend only what no cache "
                         "holds) and KV-aware routing (--policy kv unless --policy says otherwise); on by "

@@ -1,5 +1,5 @@
 """The prefill worker's scheduling on the real model (in process, tcp data plane): prompts that
-queue together finish shortest first, in passes no larger than the CPU knee, and every one of
+queue together finish shortest first, in passes no larger than the knee, and every one of
 them still gets the engine's output and gives its blocks back."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def pair(smollm):
-    with running_pair(smollm, dict(num_blocks=160), dict(num_blocks=160)) as w:
+    # the knee given: a timed one (engine.prefill_knee) depends on the machine
+    with running_pair(smollm, dict(num_blocks=160), dict(num_blocks=160, prefill_batch_tokens=128)) as w:
         yield w
 
 
@@ -33,7 +34,7 @@ def _prompt(smollm, text: str, n: int) -> list[int]:
 
 def test_a_burst_finishes_shortest_first_and_each_output_is_the_engines(pair, smollm):
     prefill, decode = pair
-    assert prefill._batch_tokens == 128   # the CPU default (engine.scheduling)
+    assert prefill._batch_tokens == 128   # as given: the shorts (105 tokens) fit a pass, "long" does not
     blocker = _prompt(smollm, "The river bends past the mill. ", 400)   # keeps the loop busy
     long_ = _prompt(smollm, "A long account of the harvest season. ", 520)
     shorts = [_prompt(smollm, f"Short note number {i}. ", 30 + 5 * i) for i in range(3)]
