@@ -133,7 +133,7 @@ def choose_batch_tokens(model, pool: KVPool, threads: int, weights: str, max_tok
 
     def check(entry: dict) -> None:
         rates = entry["rates"]
-        if not rates or not all(int(s) in KNEE_SIZES and type(r) is float and r > 0 for s, r in rates.items()):
+        if sorted(map(int, rates)) != sorted(KNEE_SIZES) or not all(type(r) is float and r > 0 for r in rates.values()):
             raise ValueError(f"'rates' {rates} are not tokens/s of the sizes {list(KNEE_SIZES)}")
 
     entry, how = tuning.kept_timings("prefill-knee", identity, (__file__, attention.__file__, llama.__file__),

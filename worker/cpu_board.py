@@ -172,9 +172,9 @@ class CpuLending:
 
 
 def lending_of(config) -> CpuLending | None:
-    """The worker's `CpuLending` when ``config`` (a `worker.config.WorkerConfig`) names a CPU board: its own CPUs are its affinity
-    (the calling thread's) less the lent ones. Raises ValueError (none of its own left), OSError /
-    ValueError from the board."""
+    """The worker's `CpuLending` when ``config`` (a `worker.config.WorkerConfig`) names a CPU
+    board: its own CPUs are its affinity (the calling thread's) less the lent ones. Raises
+    ValueError (none of its own left), OSError / ValueError from the board."""
     if not config.cpu_board:
         return None
     lent = set(config.lent_cpus())

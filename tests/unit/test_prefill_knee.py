@@ -77,6 +77,10 @@ def test_the_knee_is_timed_once_per_machine_and_read_back(tuning_dir):
     again, line = choose_batch_tokens(model, pool, 1, "fp32", 2048)
     assert (again, f"read from {tuning_dir}" in line) == (1024, True)   # the kept rates decide
     assert choose_batch_tokens(model, pool, 1, "fp32", 300)[0] == 300   # never above a pass's tokens
+    kept.write_text(json.dumps({"rates": {"1024": 4.0}}))   # sizes missing: never half-read, timed again
+    assert sorted(json.loads(kept.read_text())["rates"]) == ["1024"]
+    choose_batch_tokens(model, pool, 1, "fp32", 2048)
+    assert sorted(json.loads(kept.read_text())["rates"]) == sorted(map(str, KNEE_SIZES))
     kept.write_text(json.dumps({"rates": {"100": 1.0}}))   # a size never timed: timed again
     assert choose_batch_tokens(model, pool, 1, "fp32", 2048)[0] in KNEE_SIZES
     assert sorted(json.loads(kept.read_text())["rates"]) == sorted(map(str, KNEE_SIZES))
