@@ -3,9 +3,9 @@
 `engine.scheduling`'s second rule batches queued prompts into one pass only up to the device's
 throughput knee (``batch_tokens``): past it a larger pass adds little to tokens/s and only makes
 the pass's earlier prompts wait for its later ones. Where the knee lies depends on the core and
-the weights' dtype: float32 matmuls on an AVX-512 core without AMX came near their peak at 128
-tokens, bfloat16 matmuls on AMX tiles keep gaining to 512 and beyond (measured:
-docs/PERFORMANCE.md, "Prefill scheduling" and "The prefill knee timed per machine"). So a CPU
+the weights' dtype: float32 matmuls on an AVX-512 core without AMX come near their peak in far
+smaller passes than bfloat16 matmuls on AMX tiles (measured: docs/PERFORMANCE.md, "Prefill
+scheduling" and "The prefill knee timed per machine"). So a CPU
 worker started without ``--prefill-batch-tokens`` times it (`choose_batch_tokens`): passes of
 1, 2, 4 and 8 prompts of `PROMPT_TOKENS` tokens each (`KNEE_SIZES`, as the scheduler batches them:
 separate sequences, each attending to itself), on the worker's thread count, through the
@@ -106,6 +106,9 @@ def choose_batch_tokens(model, pool: KVPool, threads: int, weights: str, max_tok
     and the source of this module and of the modules a pass runs through. A pool whose free
     blocks cannot hold the largest timed pass is not timed in: the CPU default then
     (`engine.scheduling.default_batch_tokens`).
+
+    Raises:
+        whatever ``model.forward`` raises while timing (the rates are then not kept).
     """
     from engine import attention, tuning
     from engine.models import llama

@@ -17,9 +17,8 @@ its last chunk, and every prompt of a pass finishes when the pass does. Two rule
    ``batch_tokens``; the first that does not fit closes the pass. Joining whole rather than with
    a chunk of what is left measured better on the bursts of ``bench.prefill.burst`` (a chunked
    prompt finishes a pass later anyway, and delays the pass it rides in). Where the knee lies
-   depends on the core and the weights' dtype (float32 on an AVX-512 EPYC: 128 tokens;
-   bfloat16 on AMX tiles: 512; docs/PERFORMANCE.md, "Prefill scheduling" and "The prefill knee
-   timed per machine"), so a CPU worker times it at start-up (`engine.prefill_knee`) and
+   depends on the core and the weights' dtype (docs/PERFORMANCE.md, "Prefill scheduling" and
+   "The prefill knee timed per machine"), so a CPU worker times it at start-up (`engine.prefill_knee`) and
    `CPU_BATCH_TOKENS` (128) is only the default where it is not timed; on a GPU the knee lies
    near the chunk size (vLLM and Sarathi-Serve's token budgets of 512-2048), so the default
    there is ``max_num_batched_tokens``: one pass as before.
