@@ -59,7 +59,6 @@ from engine.generator import Generator, StepOutput
 from engine.grammar import Grammars, matcher_for
 from engine.kv_cache import GROWTH_GAP_BLOCKS, blocks_needed
 from engine.sampling import SamplingParams
-from engine.scheduling import default_batch_tokens
 from engine.sequence import FinishReason
 from kvtransfer import KVTransferError, PeerLostError, SlotState, TransferError, TransferTimeout
 from worker.async_sink import put_each
@@ -107,8 +106,7 @@ class DecodeWorker:
                                              max_prefill_tokens_while_decoding=c.max_prefill_tokens_while_decoding,
                                              prefix_caching=c.prefix_caching,
                                              parallel_min_tokens=c.parallel_min_tokens,
-                                             prefill_batch_tokens=(c.prefill_batch_tokens or default_batch_tokens(
-                                                 c.device, c.max_num_batched_tokens))),
+                                             prefill_batch_tokens=c.prefill_batch_tokens or c.max_num_batched_tokens),
                              grammars=Grammars(tok, tok.stop_token_ids) if tok is not None else None)
         self.gen.runner.borrowing = res.lending   # colocated prompt chunks may borrow an idle CPU
         if c.device != "cpu" and not c.enforce_eager:   # vLLM's default on a GPU: decode from CUDA graphs

@@ -244,9 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "while the prefill workers are backed up (router's --auto-prefill-backlog-tokens)")
     u.add_argument("--colocated-threshold-tokens", type=int, default=0,
                    help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
-    u.add_argument("--max-prefill-tokens-while-decoding", type=int, default=512, metavar="TOKENS",
+    u.add_argument("--max-prefill-tokens-while-decoding", type=int, default=2048, metavar="TOKENS",
                    help="colocated and auto modes: most prompt tokens a decode worker's pass carries "
-                        "beside decoding sequences (smaller: a lower TPOT p99, a longer TTFT)")
+                        "beside decoding sequences (default: vLLM's CPU budget; smaller: a lower ITL "
+                        "p99, more steps holding up decode)")
     u.add_argument("--prefill-batch-tokens", type=int, default=0, metavar="TOKENS",
                    help="prompts after a pass's first join it only while the pass stays within this "
                         "many prompt tokens (engine.scheduling; 0: on the CPU the knee each worker times "

@@ -9,7 +9,7 @@ first token and joins the running batch. Decoding never waits for a burst of pro
 costs it at most one bounded chunk. Which prompts, and how many per pass, follow the prefill
 worker's rules (`engine.scheduling`): highest response ratio first (a burst shortest first), and
 after a pass's first prompt others join only whole and only within ``prefill_batch_tokens``
-(the throughput knee; the workers pass 128 on the CPU).
+(the prefill worker's throughput knee; a decode worker passes its step budget).
 Sequences join and leave the running batch between steps. A finished or aborted sequence frees its
 blocks at once. When the pool runs out during decode, the most recently admitted sequence is
 preempted (blocks freed, recomputed later from prompt + generated tokens).

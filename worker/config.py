@@ -56,15 +56,18 @@ class WorkerConfig:
             chunked).
         max_prefill_tokens_while_decoding: decode, colocated and auto modes: most prompt tokens
             a pass carries beside running sequences (chunked prefill, Sarathi-Serve's token
-            budget): a smaller budget bounds how long a prompt chunk holds up every decoding
-            sequence's next token (TPOT p99) and spreads a prompt over more passes (TTFT); measured:
-            docs/PERFORMANCE.md, "Auto mode: the path chosen at placement".
+            budget); the default is vLLM's CPU server budget (2048 tokens a step): fewer steps
+            that hold up every decoding sequence, each longer. A smaller budget bounds how long
+            a prompt chunk holds up a decoding sequence's next token (ITL p99) and spreads a
+            burst over more steps, each of which delays them all (measured: docs/PERFORMANCE.md,
+            "Colocated steps at vLLM's budget").
         prefill_batch_tokens: prompts after a pass's first join it only while its prompt
-            tokens stay within this, the device's throughput knee (`engine.scheduling`): the
-            prefill worker's passes, and the decode worker's in colocated and auto modes; 0:
-            on the CPU the knee timed at start-up (`engine.prefill_knee`, kept per machine;
-            128 where it is not timed: compiled layers, tensor parallelism, a pool too small
-            to time in), ``max_num_batched_tokens`` on CUDA.
+            tokens stay within this (`engine.scheduling`). 0: the prefill worker batches to the
+            device's throughput knee, on the CPU timed at start-up (`engine.prefill_knee`, kept
+            per machine; 128 where it is not timed: compiled layers, tensor parallelism, a pool
+            too small to time in), ``max_num_batched_tokens`` on CUDA; a decode worker's passes
+            (colocated and auto modes) batch to ``max_num_batched_tokens``, as vLLM's scheduler:
+            each of them holds up its decoding sequences, so fewer of them is the gain.
         prefix_caching: keep a prefix cache of full KV blocks (engine.kv_cache): the prefill worker
             computes only what follows a prompt's cached prefix; the decode worker holds the
             cached blocks of a prompt at Reserve so they are not sent again (delta transfer)
@@ -145,7 +148,7 @@ class WorkerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_prefill_tokens_while_decoding: int = 512
+    max_prefill_tokens_while_decoding: int = 2048
     prefill_batch_tokens: int = 0
     prefix_caching: bool = False
     warmup_chunk_tokens: int = 128

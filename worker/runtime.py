@@ -303,7 +303,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     _set_attention_kernels(config, loaded.model, pool)
     if config.device == "cpu" and hasattr(loaded.model, "projection_kernels"):
         _warm_row_buckets(config, loaded.model)
-        if not config.prefill_batch_tokens and config.enforce_eager and not tp:   # time the CPU's knee
+        if config.role == "prefill" and not config.prefill_batch_tokens and config.enforce_eager and not tp:
             knee, line = choose_batch_tokens(loaded.model, pool, config.threads, config.weights,
                                              config.max_num_batched_tokens)
             log.info("prefill batch tokens: %s", line)

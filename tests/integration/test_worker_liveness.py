@@ -99,12 +99,16 @@ def test_prefill_loops_are_watched_and_stop_on_close(smollm):
 
 def test_the_decode_workers_prompt_budget_while_decoding_is_its_flag(smollm):
     """``--max-prefill-tokens-while-decoding``: a prompt arriving while another request decodes
-    joins the passes at most that many tokens at a time, and both answers are unchanged."""
+    joins the passes at most that many tokens at a time, and both answers are unchanged. A decode
+    worker times no prefill knee: its passes batch prompts up to ``max_num_batched_tokens``, as
+    vLLM's scheduler (`worker.config.WorkerConfig.prefill_batch_tokens`)."""
     arrivals = DecodeArrivals(NUM_TRANSFER_SLOTS)
     res = build_resources(WorkerConfig(role="decode", transfer_engine="tcp", num_blocks=64,
                                        max_prefill_tokens_while_decoding=16), arrivals, smollm)
     worker = DecodeWorker(res, arrivals)
     try:
+        assert res.config.prefill_batch_tokens == 0
+        assert worker.gen.config.prefill_batch_tokens == res.config.max_num_batched_tokens
         long_prompt = smollm.tokenizer.encode("Tell me a story about a lighthouse keeper. " * 8)
         assert len(long_prompt) > 64
         want = _generate(worker, "alone", long_prompt)

@@ -89,7 +89,7 @@ def test_pdserve_up_passes_the_decode_prompt_budget_to_its_workers():
         args = launcher_config(build_parser().parse_args(["up", *argv])).worker_args
         return args[args.index("--max-prefill-tokens-while-decoding") + 1]
 
-    assert budget() == "512" and WorkerConfig(role="decode").max_prefill_tokens_while_decoding == 512
+    assert budget() == "2048" and WorkerConfig(role="decode").max_prefill_tokens_while_decoding == 2048
     assert budget("--max-prefill-tokens-while-decoding", "64") == "64"
 
 
