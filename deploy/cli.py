@@ -237,11 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "machine runs it natively: a 4-bit GGUF native, a bfloat16 checkpoint bf16 on a CPU "
                         "with bfloat16 matmuls), fp32 (reference), bf16, or native (the GGUF's 4-bit "
                         "projections as stored)")
-    u.add_argument("--serving-mode", default="disaggregated",
+    u.add_argument("--serving-mode", default="auto",
                    choices=["disaggregated", "colocated", "auto"],
-                   help="colocated: decode workers run whole requests (no KV transfer); "
-                        "auto: prompts under --colocated-threshold-tokens colocated, and longer ones "
-                        "while the prefill workers are backed up (router's --auto-prefill-backlog-tokens)")
+                   help="auto (default): disaggregated, but prompts under --colocated-threshold-tokens "
+                        "colocated, and longer ones while the prefill workers are backed up (router's "
+                        "--auto-prefill-backlog-tokens): on two cores the higher throughput and the lower "
+                        "TTFT p99 and TPOT p50 (docs/PERFORMANCE.md, \"Auto mode by default\"); "
+                        "disaggregated: every prompt on a prefill worker, decode never held up by one; "
+                        "colocated: decode workers run whole requests (no KV transfer)")
     u.add_argument("--colocated-threshold-tokens", type=int, default=0,
                    help="with --serving-mode auto: prompts with fewer tokens run colocated (0: never)")
     u.add_argument("--max-prefill-tokens-while-decoding", type=int, default=2048, metavar="TOKENS",

@@ -17,10 +17,10 @@ table then says the verdict is not the issue's.
 
 Two `loadtest.peers` runs feed it, on the mixes `MAIN_MIX` and `HEAVY_MIX` (the command lines are
 in loadtest/README.md, "Acceptance bars of the engine issue"). Servers are found by name: the default
-``pdserve`` (``--default``), ``1p1d`` (``--pair``; when no server has that name the default stands
-for it, which holds while `pdserve up` starts one prefill and one decode worker), ``colo2`` and
-``colo1`` (``--colo2``, ``--colo1``). A bar whose server, level or reference is missing, or whose
-runs had failed requests, is reported as not met, with the reason.
+``pdserve`` (``--default``), ``1p1d`` (``--pair``: `pdserve up --serving-mode disaggregated`; the
+default, in auto mode, computes some prompts on its decode worker, so it does not stand for the
+pair), ``colo2`` and ``colo1`` (``--colo2``, ``--colo1``). A bar whose server, level or reference is
+missing, or whose runs had failed requests, is reported as not met, with the reason.
 
     python -m loadtest.bars MAIN.json [HEAVY.json] [--reference NAME] [--json OUT]
 
@@ -140,16 +140,13 @@ def evaluate(main: dict, heavy: dict | None = None, reference: str = "vllm", def
     for bar in BARS:
         record = main if bar.mix == "main" else heavy
         server, other_server = roles[bar.role], roles[bar.against]
-        if bar.role == "pair" and record is not None and pair not in record["runs"]:
-            server = default
         mine, why = _result(record, server, bar.level)
         theirs, why_other = _result(record, other_server, bar.level)
         value = mine[bar.metric] if mine else None
         other = theirs[bar.metric] if theirs else None
         ratio = value / other if value is not None and other else None
         met = ratio is not None and _OPS[bar.op](ratio, bar.factor)
-        shown = server + (" (stands for 1P1D)" if bar.role == "pair" and server != pair else "")
-        verdicts.append(Verdict(bar.name, shown, value, other_server, other, ratio,
+        verdicts.append(Verdict(bar.name, server, value, other_server, other, ratio,
                                 f"{bar.op} {bar.factor:g}x", met, why or why_other))
     return verdicts
 

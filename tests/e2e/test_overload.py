@@ -1,5 +1,6 @@
 """Overload: 1,000 streaming clients at once against a cluster started as ``pdserve up`` starts it
-(router + 1 prefill + 1 decode, default pool and limits).
+(router + 1 prefill + 1 decode, default pool and limits), in disaggregated mode (every prompt through
+the prefill worker's admission; `pdserve up` itself defaults to auto mode).
 
 Every request either completes with the single-process engine's greedy text or is refused with a
 503 (OpenAI error body, ``Retry-After``) within a second; no other status. While the storm runs,
@@ -73,7 +74,7 @@ class AbortProbe(threading.Thread):
 
 @pytest.fixture(scope="module")
 def up_cluster(tmp_path_factory):
-    """The cluster ``pdserve up`` starts: no pool or limit overridden."""
+    """The cluster ``pdserve up --serving-mode disaggregated`` starts: no pool or limit overridden."""
     config = LauncherConfig(http_port=0, registry_port=0, weights="fp32", log_dir=str(tmp_path_factory.mktemp("overload")),
                             startup_timeout_s=240, grace_s=15)
     c = Cluster(config).start()

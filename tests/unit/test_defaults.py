@@ -84,6 +84,14 @@ def test_pdserve_up_leaves_the_prefill_batch_to_the_timed_knee_unless_told_one()
     assert args[args.index("--prefill-batch-tokens") + 1] == "256"
 
 
+def test_pdserve_up_serves_in_auto_mode_unless_told_another():
+    """One prefill and one decode worker in auto mode (docs/PERFORMANCE.md, "Auto mode by default")."""
+    config = launcher_config(build_parser().parse_args(["up"]))
+    assert config.serving_mode == "auto" and (config.num_prefill, config.num_decode) == (1, 1)
+    assert launcher_config(build_parser().parse_args(["up", "--serving-mode", "disaggregated"])).serving_mode \
+        == "disaggregated"
+
+
 def test_pdserve_up_passes_the_decode_prompt_budget_to_its_workers():
     def budget(*argv):
         args = launcher_config(build_parser().parse_args(["up", *argv])).worker_args
