@@ -253,8 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "p99, more steps holding up decode)")
     u.add_argument("--prefill-batch-tokens", type=int, default=0, metavar="TOKENS",
                    help="prompts after a pass's first join it only while the pass stays within this "
-                        "many prompt tokens (engine.scheduling; 0: on the CPU the knee each worker times "
-                        "once per machine, engine.prefill_knee; on CUDA a pass's token cap)")
+                        "many prompt tokens (engine.scheduling; 0: the prefill worker's knee, timed once per "
+                        "machine on the CPU, engine.prefill_knee, a pass's token cap on CUDA; a decode "
+                        "worker's colocated prompts up to its step budget, as vLLM)")
     u.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching on every worker (recompute and resend only what no cache "
                         "holds) and KV-aware routing (--policy kv unless --policy says otherwise); on by "

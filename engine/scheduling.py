@@ -25,8 +25,9 @@ its last chunk, and every prompt of a pass finishes when the pass does. Two rule
 
 `PassBudget`, `by_response_ratio` and `fill_pass` are pure; the prefill worker
 (`prefill.worker.PrefillWorker`) and the generator (`engine.generator.Generator`, the prompts of
-colocated and auto modes, where a pass also carries the running sequences' decode rows) both
-choose their passes' prompts with `fill_pass`.
+colocated and auto modes, where a pass also carries the running sequences' decode rows; a decode
+worker gives it ``max_num_batched_tokens`` as its ``batch_tokens``: `worker.config`) both choose
+their passes' prompts with `fill_pass`.
 """
 
 from __future__ import annotations
