@@ -104,6 +104,7 @@ class DecodeWorker:
                              SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                              max_num_batched_tokens=c.max_num_batched_tokens,
                                              max_prefill_tokens_while_decoding=c.max_prefill_tokens_while_decoding,
+                                             max_prefill_seconds_while_decoding=c.max_prefill_seconds_while_decoding,
                                              prefix_caching=c.prefix_caching,
                                              parallel_min_tokens=c.parallel_min_tokens,
                                              prefill_batch_tokens=c.prefill_batch_tokens or c.max_num_batched_tokens),

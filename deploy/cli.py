@@ -83,7 +83,8 @@ def launcher_config(args: argparse.Namespace):
         + (("--linear-backend", args.linear_backend) if args.linear_backend != "auto" else ())
         + (("--prefill-batch-tokens", str(args.prefill_batch_tokens)) if args.prefill_batch_tokens else ())
         + ("--attention-backend", attention_backend(args), "--kv-send", args.kv_send,
-           "--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)),
+           "--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding),
+           "--max-prefill-seconds-while-decoding", str(args.max_prefill_seconds_while_decoding)),
         router_args=("--policy", args.policy or ("kv" if args.prefix_caching else "load")))
 
 
@@ -251,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="colocated and auto modes: most prompt tokens a decode worker's pass carries "
                         "beside decoding sequences (default: vLLM's CPU budget; smaller: a lower ITL "
                         "p99, more steps holding up decode)")
+    u.add_argument("--max-prefill-seconds-while-decoding", type=float, default=1.0, metavar="SECONDS",
+                   help="colocated and auto modes: and at most the prompt tokens the decode worker's measured "
+                        "rate computes in this long, so a step beside decoding sequences takes about this "
+                        "long on a slow CPU too (0: the token budget alone)")
     u.add_argument("--prefill-batch-tokens", type=int, default=0, metavar="TOKENS",
                    help="prompts after a pass's first join it only while the pass stays within this "
                         "many prompt tokens (engine.scheduling; 0: the prefill worker's knee, timed once per "

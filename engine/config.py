@@ -248,6 +248,10 @@ class CacheConfig:
 
 
 PREFILL_ORDERS = ("hrrn", "fifo")
+MIN_TIMED_PREFILL_TOKENS = 64
+"""The fewest prompt tokens a step beside decoding sequences carries under
+``max_prefill_seconds_while_decoding`` (where the decode rows alone take about that long, prompts
+still advance)."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +266,13 @@ class SchedulerConfig:
             most this many prompt tokens (chunked prefill, as vLLM's V1 scheduler and Sarathi-Serve
             do), so a burst of prompts delays each decode step by one such chunk instead of
             stalling decode until every prompt is computed.
+        max_prefill_seconds_while_decoding: > 0: while sequences decode, a step also carries at
+            most the prompt tokens the generator's measured rate of passes with prompts
+            (`engine.scheduling.RateMeter`, tokens/s, decode rows included) computes in this many
+            seconds, and at least `MIN_TIMED_PREFILL_TOKENS`: such a step then takes about this
+            long on any CPU, where a token budget alone holds decoding sequences up seconds on a
+            slow one (Sarathi-Serve, Agrawal et al., OSDI 2024, sizes its token budget from a
+            time-between-tokens target the same way). 0: the token budget alone.
         prefix_caching: reuse the K/V of full blocks an earlier sequence computed for the same
             leading tokens (`engine.kv_cache`, "Prefix caching"); only the rest is computed.
         prefill_order: ``"hrrn"``: queued prompts by highest response ratio (a burst shortest
@@ -279,6 +290,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_while_decoding: int = 512
+    max_prefill_seconds_while_decoding: float = 0.0
     prefix_caching: bool = False
     prefill_order: str = "hrrn"
     prefill_batch_tokens: int | None = None
@@ -295,6 +307,9 @@ class SchedulerConfig:
         if self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1, "
                              f"got {self.max_prefill_tokens_while_decoding}")
+        if not self.max_prefill_seconds_while_decoding >= 0:
+            raise ValueError("max_prefill_seconds_while_decoding must be >= 0 seconds, "
+                             f"got {self.max_prefill_seconds_while_decoding}")
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
         if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 1:

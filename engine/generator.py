@@ -3,7 +3,8 @@
 Lifecycle of a request: `Generator.add_request` validates it and queues it (WAITING). Each
 `Generator.step` runs ONE forward pass holding every running sequence (one new token each) and,
 if sequences wait and blocks allow, prompt tokens: up to ``max_num_batched_tokens`` when nothing
-decodes, else up to ``max_prefill_tokens_while_decoding`` (several prompts at once; a long prompt
+decodes, else up to ``max_prefill_tokens_while_decoding`` and what the measured prompt rate computes in
+``max_prefill_seconds_while_decoding`` (several prompts at once; a long prompt
 is split into chunks over several steps). A sequence whose whole prompt is computed samples its
 first token and joins the running batch. Decoding never waits for a burst of prompts: each step
 costs it at most one bounded chunk. Which prompts, and how many per pass, follow the prefill
@@ -27,7 +28,7 @@ from typing import Iterable, Sequence as Seq
 
 
 from engine.attention import SeqChunk
-from engine.config import SchedulerConfig
+from engine.config import MIN_TIMED_PREFILL_TOKENS, SchedulerConfig
 from engine.errors import CapacityError, InvalidRequestError
 from engine.grammar import Grammars, matcher_for
 from engine.ids import BlockId, RequestId
@@ -246,7 +247,7 @@ class Generator:
         decode = self._schedule_decode() if self.running else []
         budget = self.config.max_num_batched_tokens - len(decode)
         if decode:
-            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+            budget = min(budget, self.prefill_tokens_while_decoding())
         prompts = self._schedule_prefill(budget)
         if not decode and not prompts:
             return []
@@ -261,6 +262,17 @@ class Generator:
             counts["decode_step_rows"] += len(decode)
             counts["decode_step_seconds"] += seconds
         return outputs
+
+    def prefill_tokens_while_decoding(self) -> int:
+        """The most prompt tokens a step carries beside decoding sequences now:
+        ``max_prefill_tokens_while_decoding``, and with ``max_prefill_seconds_while_decoding`` at
+        most what the measured rate of passes with prompts computes in that time, at least
+        `MIN_TIMED_PREFILL_TOKENS` (`SchedulerConfig`)."""
+        c = self.config
+        if c.max_prefill_seconds_while_decoding <= 0:
+            return c.max_prefill_tokens_while_decoding
+        timed = int(self.prefill_rate.tokens_per_s * c.max_prefill_seconds_while_decoding)
+        return min(c.max_prefill_tokens_while_decoding, max(MIN_TIMED_PREFILL_TOKENS, timed))
 
     def _prefill_order(self) -> list[Sequence]:
         """The waiting sequences in the order they may take prompt tokens (`SchedulerConfig.

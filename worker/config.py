@@ -61,6 +61,12 @@ class WorkerConfig:
             a prompt chunk holds up a decoding sequence's next token (ITL p99) and spreads a
             burst over more steps, each of which delays them all (measured: docs/PERFORMANCE.md,
             "Colocated steps at vLLM's budget").
+        max_prefill_seconds_while_decoding: decode, colocated and auto modes: a pass beside
+            running sequences also carries at most the prompt tokens the worker's measured rate
+            computes in this many seconds (`engine.config.SchedulerConfig`): the token budget
+            above is ~1 s of a pass on a fast core and several on a slow one, where it held
+            decoding sequences up that long (measured: docs/PERFORMANCE.md, "Prompt tokens beside
+            decoding sequences, bounded in time"). 0: the token budget alone.
         prefill_batch_tokens: prompts after a pass's first join it only while its prompt
             tokens stay within this (`engine.scheduling`). 0: the prefill worker batches to the
             device's throughput knee, on the CPU timed at start-up (`engine.prefill_knee`, kept
@@ -149,6 +155,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_while_decoding: int = 2048
+    max_prefill_seconds_while_decoding: float = 1.0
     prefill_batch_tokens: int = 0
     prefix_caching: bool = False
     warmup_chunk_tokens: int = 128
@@ -211,6 +218,9 @@ class WorkerConfig:
         if self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1, "
                              f"got {self.max_prefill_tokens_while_decoding}")
+        if not self.max_prefill_seconds_while_decoding >= 0:
+            raise ValueError("max_prefill_seconds_while_decoding must be >= 0 seconds (0: tokens only), "
+                             f"got {self.max_prefill_seconds_while_decoding}")
         if self.prefill_batch_tokens < 0:
             raise ValueError(f"prefill_batch_tokens must be >= 0 (0: the device's default), "
                              f"got {self.prefill_batch_tokens}")

@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import MIN_TIMED_PREFILL_TOKENS, CacheConfig, SchedulerConfig
 from engine.errors import CapacityError, ContextLengthError, InvalidRequestError, ModelLoadError
 from engine.generator import Generator
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.sampling import SamplingParams
+from engine.scheduling import RateMeter
 from engine.sequence import FinishReason
 
 pytestmark = pytest.mark.integration
@@ -227,6 +228,48 @@ def test_decoding_goes_on_while_a_long_prompt_prefills_in_chunks(smollm):
     assert steps_while_long_waits >= len(prompts["long"]) // 64 - 1   # the prompt went in 64-token chunks
     assert g.num_free_blocks == 128
     assert tokens == {name: alone(ids) for name, ids in prompts.items()}
+
+
+def test_prompt_tokens_beside_decoding_rows_are_bounded_by_the_measured_rate_in_time(smollm):
+    """``max_prefill_seconds_while_decoding``: while a sequence decodes, a step carries at most the
+    prompt tokens the generator's prefill rate computes in that time (here 160 tokens/s x 0.5 s =
+    80, below the 256-token budget), at least `MIN_TIMED_PREFILL_TOKENS` (a rate of 10 tokens/s:
+    64 a step), and the token budget alone at 0 s; the outputs are those of the requests alone."""
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = _chat(smollm, "Name a color.")
+    long = _chat(smollm, "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 20)
+    assert 200 < len(long) <= 256
+
+    def chunks(seconds, rate):
+        pool = KVPool(smollm.config, CacheConfig(block_size=16, num_blocks=64))
+        g = Generator(smollm.model, pool, smollm.tokenizer,
+                      SchedulerConfig(max_num_batched_tokens=256, max_prefill_tokens_while_decoding=256,
+                                      max_prefill_seconds_while_decoding=seconds))
+        g.prefill_rate = RateMeter(initial=rate, alpha=0.0)   # a fixed measured rate
+        g.add_request("first", first, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        g.step()   # its prompt: it decodes from now on
+        g.add_request("long", long, greedy)
+        seq, sizes, tokens = next(s for s in g.waiting if s.request_id == "long"), [], []
+        while seq.num_computed < len(long):
+            before = seq.num_computed
+            tokens += [t for o in g.step() if o.request_id == "long" for t in o.new_token_ids]
+            sizes.append(seq.num_computed - before)
+        while g.has_unfinished():
+            tokens += [t for o in g.step() if o.request_id == "long" for t in o.new_token_ids]
+        assert g.num_free_blocks == 64
+        return sizes, tokens
+
+    sizes, tokens = chunks(0.5, 160.0)
+    assert sizes[:-1] == [80] * (len(sizes) - 1) and 0 < sizes[-1] <= 80
+    floor = chunks(0.5, 10.0)[0]
+    assert floor[:-1] == [MIN_TIMED_PREFILL_TOKENS] * (len(floor) - 1) and len(floor) == -(-len(long) // MIN_TIMED_PREFILL_TOKENS)
+    assert chunks(0.0, 160.0)[0] == [len(long)]   # the token budget alone: one 256-token pass
+    alone = Generator(smollm.model, KVPool(smollm.config, CacheConfig(block_size=16, num_blocks=64)), smollm.tokenizer)
+    alone.add_request("long", long, greedy)
+    expected = []
+    while alone.has_unfinished():
+        expected += [t for o in alone.step() for t in o.new_token_ids]
+    assert tokens == expected
 
 
 def test_a_burst_of_prompts_runs_shortest_first_within_the_knee(smollm):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from deploy.cli import build_parser, launcher_config
+from engine.config import SchedulerConfig
 from engine.errors import ModelLoadError
 from engine.linear import bf16_matmul_fast
 from engine.loader import resolve_weights
@@ -99,6 +100,21 @@ def test_pdserve_up_passes_the_decode_prompt_budget_to_its_workers():
 
     assert budget() == "2048" and WorkerConfig(role="decode").max_prefill_tokens_while_decoding == 2048
     assert budget("--max-prefill-tokens-while-decoding", "64") == "64"
+
+
+def test_pdserve_up_bounds_a_decode_step_s_prompt_tokens_in_time():
+    """A step beside decoding sequences carries at most ~1 s of prompt tokens at the worker's
+    measured rate (docs/PERFORMANCE.md, "Prompt tokens beside decoding sequences, bounded in time");
+    the engine's own scheduler keeps the token budget alone."""
+    def seconds(*argv):
+        args = launcher_config(build_parser().parse_args(["up", *argv])).worker_args
+        return float(args[args.index("--max-prefill-seconds-while-decoding") + 1])
+
+    assert seconds() == 1.0 == WorkerConfig(role="decode").max_prefill_seconds_while_decoding
+    assert seconds("--max-prefill-seconds-while-decoding", "0") == 0.0
+    assert SchedulerConfig().max_prefill_seconds_while_decoding == 0.0
+    with pytest.raises(ValueError, match="max_prefill_seconds_while_decoding"):
+        SchedulerConfig(max_prefill_seconds_while_decoding=-0.5)
 
 
 def test_pdserve_up_asks_for_the_compiled_decode_attention_where_it_can_run():

@@ -37,6 +37,8 @@ def test_num_blocks_defaults_per_role():
     ({"role": "decode", "weights": "native", "device": "cuda", "transfer_engine": "verbs"}, "CPU only"),
     ({"role": "prefill", "kv_send": "chunk"}, "kv_send"),
     ({"role": "decode", "max_prefill_tokens_while_decoding": 0}, "max_prefill_tokens_while_decoding"),
+    ({"role": "decode", "max_prefill_seconds_while_decoding": -1.0}, "max_prefill_seconds_while_decoding"),
+    ({"role": "decode", "max_prefill_seconds_while_decoding": float("nan")}, "max_prefill_seconds_while_decoding"),
     ({"role": "decode", "linear_backend": "mkl"}, "linear_backend"),
     ({"role": "decode", "linear_backend": "template", "tensor_parallel_size": 2}, "tensor parallel size 1"),
 ])
