@@ -270,8 +270,8 @@ class SchedulerConfig:
             most the prompt tokens the generator's measured rate of passes with prompts
             (`engine.scheduling.RateMeter`, tokens/s, decode rows included) computes in this many
             seconds, and at least `MIN_TIMED_PREFILL_TOKENS`: such a step then takes about this
-            long on any CPU, where a token budget alone holds decoding sequences up seconds on a
-            slow one (Sarathi-Serve, Agrawal et al., OSDI 2024, sizes its token budget from a
+            long on any CPU, where a token budget alone holds decoding sequences up longer the
+            slower the CPU (Sarathi-Serve, Agrawal et al., OSDI 2024, sizes its token budget from a
             time-between-tokens target the same way). 0: the token budget alone.
         prefix_caching: reuse the K/V of full blocks an earlier sequence computed for the same
             leading tokens (`engine.kv_cache`, "Prefix caching"); only the rest is computed.

@@ -63,9 +63,9 @@ class WorkerConfig:
             "Colocated steps at vLLM's budget").
         max_prefill_seconds_while_decoding: decode, colocated and auto modes: a pass beside
             running sequences also carries at most the prompt tokens the worker's measured rate
-            computes in this many seconds (`engine.config.SchedulerConfig`): the token budget
-            above is ~1 s of a pass on a fast core and several on a slow one, where it held
-            decoding sequences up that long (measured: docs/PERFORMANCE.md, "Prompt tokens beside
+            computes in this many seconds (`engine.config.SchedulerConfig`), so such a pass takes
+            about this long on a slow CPU too, where the token budget above alone held decoding
+            sequences up many times longer (measured: docs/PERFORMANCE.md, "Prompt tokens beside
             decoding sequences, bounded in time"). 0: the token budget alone.
         prefill_batch_tokens: prompts after a pass's first join it only while its prompt
             tokens stay within this (`engine.scheduling`). 0: the prefill worker batches to the
