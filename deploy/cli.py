@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool blocks per worker (default: 1024 per prefill worker, 2048 per decode worker)")
     u.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
-    u.add_argument("--startup-timeout", type=float, default=180.0, help="seconds")
+    u.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds every worker may take to register (default 600: a first start on a new machine builds and times its kernels)")
     u.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     u.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     u.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1)")

@@ -65,7 +65,8 @@ class LauncherConfig:
         num_blocks: KV pool blocks per worker (None: the worker default).
         threads: torch threads per worker.
         log_dir: where ``<name>.log`` files go (None: a new temporary directory).
-        startup_timeout_s: how long every worker may take to become CONNECTED.
+        startup_timeout_s: how long every worker may take to become CONNECTED (seconds; a
+            first start on a new machine builds and times its kernels before it registers).
         grace_s: how long a child may take to exit after SIGTERM before SIGKILL.
         router_args / worker_args: extra flags passed through to every router / worker.
         serving_mode / colocated_threshold_tokens: the router's (`router.serving`):
@@ -96,7 +97,7 @@ class LauncherConfig:
     num_blocks: int | None = None
     threads: int = 1
     log_dir: str | None = None
-    startup_timeout_s: float = 180.0
+    startup_timeout_s: float = 600.0
     grace_s: float = 10.0
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")))
-    p.add_argument("--startup-timeout", type=float, default=240.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--result-dir", default="results")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]

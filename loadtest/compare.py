@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="*", default=["ttft:3000", "tpot:75"], metavar="NAME:MS")
     p.add_argument("--max-duration", type=float, default=300.0, help="per run, s")
-    p.add_argument("--startup-timeout", type=float, default=240.0, help="per deployment, s")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="per deployment, s")
     p.add_argument("--result-dir", default="results", help="where the JSON goes")
     p.add_argument("--disable-tqdm", action="store_true")
     return p

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model", action="append", type=_served_model, default=[],
                    metavar="NAME=ID", help="model id to send to NAME (default: its /v1/models)")
     s.add_argument("--cpus", default="0,1", help="CPUs for pdserve's workers and llama-server")
-    s.add_argument("--startup-timeout", type=float, default=240.0, help="per server, s")
+    s.add_argument("--startup-timeout", type=float, default=600.0, help="per server, s")
     s.add_argument("--stop-timeout", type=float, default=30.0, help="SIGINT to SIGKILL, s")
     w = p.add_argument_group("workload (the same for every server)")
     w.add_argument("--concurrency", default="1,32", help="comma-separated max_concurrency values")

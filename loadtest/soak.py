@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--range-ratio", type=float, default=0.5)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--startup-timeout", type=float, default=240.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--result-dir", default="results")
     return p
 

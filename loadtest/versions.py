@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--up-args", default="", help="extra `pdserve up` flags for both builds")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--max-duration", type=float, default=900.0, help="per run, s")
-    p.add_argument("--startup-timeout", type=float, default=240.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--result-dir", default="results")
     return p
 

@@ -32,6 +32,26 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def _read_lines(proc: subprocess.Popen, lines: queue.Queue) -> None:
+    """``proc``'s stdout lines into ``lines``, then None at its end."""
+    for line in proc.stdout:
+        lines.put(line)
+    lines.put(None)
+
+
+def _next_line(lines: queue.Queue, proc: subprocess.Popen, seen: list[str], timeout_s: float) -> str:
+    """The next line ``proc`` printed; fails the test, with what it printed, when it printed
+    nothing for ``timeout_s`` or exited."""
+    try:
+        line = lines.get(timeout=timeout_s)
+    except queue.Empty:
+        pytest.fail(f"pdserve up printed nothing for {timeout_s:g} s; its output so far:\n{''.join(seen)}")
+    if line is None:
+        pytest.fail(f"pdserve up exited with code {proc.wait()}; its output:\n{''.join(seen)}")
+    return line
+
+
+@pytest.mark.timeout(900)   # a first start on a new machine builds its kernels (up to 660 s here)
 def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
     """README's run command, on the default model under a file name of its own: the model is
     served under that name and ``--ask`` asks it (the name ``/v1/models`` lists); the decode worker
@@ -46,15 +66,17 @@ def test_pdserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
             "--registry-port", str(registry_port), "--num-blocks", "256", "--log-dir", str(tmp_path),
             "--model", str(model), "--ask", "What is the capital of France?"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], name="up-stdout", daemon=True).start()
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc, lines), name="up-stdout", daemon=True).start()
     try:
         seen = []
+        # a first start on a new machine builds and times its kernels before "up" (pdserve up's
+        # own --startup-timeout bounds it: 600 s by default)
         while not any("pdserve is up" in l for l in seen):
-            seen.append(lines.get(timeout=240))
+            seen.append(_next_line(lines, proc, seen, timeout_s=660))
         assert f"http://127.0.0.1:{http_port}/v1" in seen[-1]
         while not any("Paris" in l for l in seen):  # README's run command answers a request
-            seen.append(lines.get(timeout=120))
+            seen.append(_next_line(lines, proc, seen, timeout_s=120))
 
         class _C:
             url = f"http://127.0.0.1:{http_port}"
