@@ -54,7 +54,7 @@ from engine.paged_decode import CompiledDecode
 from engine.prefill_choice import choose_prefill_lengths
 from engine.runner import ModelRunner
 from worker.config import WorkerConfig
-from worker.runtime import warm_kernel_alone
+from worker.kernels import warm_kernel_alone
 
 CONTEXT = 256
 BS = 16
@@ -113,8 +113,8 @@ def use_worker_kernels(model, pool: KVPool, counts: tuple[int, ...] = (1, 2), gl
     (``--attention-backend auto``: `CompiledDecode` for decode rows, `CompiledPrefill` for prompt
     chunks, and with ``glue`` where the model takes it `CompiledGlue` for the operators between
     the matmuls), each built alone for every torch thread count in ``counts`` as a worker builds
-    them (`worker.runtime.warm_kernel_alone`), the decode kernel's ``min_rows`` measured as a
-    worker measures it (`worker.runtime`; its passes under ``parallel_min_tokens`` rows on one
+    them (`worker.kernels.warm_kernel_alone`), the decode kernel's ``min_rows`` measured as a
+    worker measures it (`worker.kernels`; its passes under ``parallel_min_tokens`` rows on one
     thread, as a worker's by default), and with ``prompt_threads`` the prompt kernel timed
     against SDPA on that many threads and kept only for the chunk lengths it won, as a worker of
     that many threads keeps it (`engine.prefill_choice`; None: kept from its default length, as

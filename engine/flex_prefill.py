@@ -131,7 +131,7 @@ class CompiledPrefill:
 
     def __init__(self) -> None:
         """Raises nothing; inductor's errors (no C++ compiler) come from the call that builds a
-        package, which `worker.runtime` turns into a refusal to start or a warning
+        package, which `worker.kernels` turns into a refusal to start or a warning
         (``--attention-backend``)."""
         self._masks: dict[tuple, object] = {}   # (n, ctx, device) -> BlockMask, for a pass's layers
         self._offsets: dict[tuple, torch.Tensor] = {}   # same keys -> the mask's offset, a tensor

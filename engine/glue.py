@@ -74,12 +74,12 @@ class CompiledGlue:
     contiguous, as the model's pass makes them.
 
     Raises (from the call that builds a package): ``torch.export`` / inductor errors where
-    inductor cannot build CPU code (no C++ compiler); `worker.runtime` turns them into a warning
+    inductor cannot build CPU code (no C++ compiler); `worker.kernels` turns them into a warning
     and leaves the eager operators in place.
     """
 
     min_rows = 1
-    """Every pass goes through the packages (`worker.runtime` builds them for the thread counts
+    """Every pass goes through the packages (`worker.kernels` builds them for the thread counts
     of passes of this many tokens and more)."""
 
     def __init__(self) -> None:

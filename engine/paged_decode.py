@@ -160,11 +160,11 @@ class CompiledDecode:
     one query dtype and head shape, window, scale and soft-cap; the kernel keeps one per such key,
     loaded from the disk cache or built at the first call that needs it (a model's ``warm_up``
     makes that call before the first request; a worker warms each thread count its passes may
-    take, `worker.runtime`; measured: docs/PERFORMANCE.md, "Decode attention on the pass's
+    take, `worker.kernels`; measured: docs/PERFORMANCE.md, "Decode attention on the pass's
     threads, and where a served core goes"). ``packages`` holds them, by key.
 
     Raises (from the call that builds a package): ``torch.export`` / ``torch._inductor`` errors
-    when inductor cannot build CPU code (no C++ compiler); `worker.runtime` turns that into a
+    when inductor cannot build CPU code (no C++ compiler); `worker.kernels` turns that into a
     refusal to start.
     """
 

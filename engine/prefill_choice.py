@@ -8,6 +8,9 @@ thread or two (docs/PERFORMANCE.md, "Prompt attention chosen at start-up"). So a
 with ``--attention-backend auto`` times both on its own CPU, as its decode kernel's rows are
 timed (`engine.paged_decode.measure_min_rows`), and keeps the kernel only for the lengths it won
 (`kernel_from`); ``--attention-backend compiled`` keeps it from its default length, untimed.
+The timing comes before the kernel's packages for the worker's other thread counts are built
+(`worker.kernels`), and times read back need no package at all: a kernel that loses everywhere
+costs a first start one package's build, and a restart nothing.
 The times are taken once per machine and kept (`engine.tuning.kept_timings`): at some lengths
 the two sides lie within the timing's noise, and a choice drawn anew at every start would let
 two workers, or one worker before and after a restart, round the same prompt differently. The
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -117,10 +121,12 @@ def measure_prefill_lengths(kernel, heads: int, kv_heads: int, head_dim: int, q_
     return times
 
 
-def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Tensor, threads: int) -> str:
+def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Tensor, threads: int,
+                           build: Callable[[], object] | None = None) -> str:
     """Time ``model``'s prompt attention through ``kernel`` (its `CompiledPrefill`, built for
-    ``threads``) against SDPA (`measure_prefill_lengths`, on ``threads`` torch threads, the
-    count prompt passes run on; the caller's count restored), once per machine: the times are
+    ``threads``, or built by ``build()`` right before it is timed) against SDPA
+    (`measure_prefill_lengths`, on ``threads`` torch threads, the count prompt passes run on; the
+    caller's count restored), once per machine: the times are
     kept by `engine.tuning.kept_timings` (keyed by the attention's shapes and dtypes, the pool's
     block size, the thread count, the kernel's class and the source of the modules that time
     and run both sides), so later starts read them back and every worker on the machine takes
@@ -131,13 +137,19 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
     (``model.prefill_attn_dtype``), the kernel then timed against it. Returns the choice, the
     times and where they came from, for the worker's log.
 
+    Where the times are read back, ``build`` is not called: a start that finds SDPA chosen builds
+    no prompt kernel at all (`worker.kernels` builds its other thread counts' packages only for a
+    kernel that won somewhere).
+
     Args:
         model: an `engine.models.llama.LlamaModel` (its ``config``, ``attn_dtype``, ``kv_dtype``).
         k_pool, v_pool: one layer of its pool, as `measure_prefill_lengths` takes them.
         threads: torch threads to time on (the worker's ``threads``).
+        build: called once, under the tuning directory's lock, before a timing taken now (not
+            before times read back): builds or loads ``kernel``'s package for ``threads``.
     Raises:
         ValueError: as `measure_prefill_lengths` (an empty pool); inductor's errors where the
-            kernel's package for ``threads`` is not built and cannot be.
+            kernel's package for ``threads`` is not built and cannot be; whatever ``build`` raises.
     """
     c, low = model.config, prompt_low_dtype(model)
     identity = {"threads": threads, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
@@ -147,6 +159,8 @@ def choose_prefill_lengths(model, kernel, k_pool: torch.Tensor, v_pool: torch.Te
     width = 2 if low is None else 3
 
     def measure() -> dict:
+        if build is not None:
+            build()
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:

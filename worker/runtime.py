@@ -26,14 +26,8 @@ import torch
 
 from engine.config import CacheConfig, compatibility_hash
 from engine.kv_cache import KVPool, host_buffer
-from engine.linear import BUCKET_FROM_ROWS, warm_row_buckets, warm_templates
 from engine.loader import LoadedModel, load_model, make_pool, set_torch_threads
-from engine.aot_kernel import cache_dir as aot_cache_dir
-from engine.flex_prefill import CompiledPrefill
-from engine.prefill_choice import choose_prefill_lengths
 from engine.prefill_knee import choose_batch_tokens
-from engine.glue import CompiledGlue
-from engine.paged_decode import CompiledDecode
 from engine.runner import prefix_caching_conflict
 from kvtransfer import (ArrivalHandler, EngineConfig, KVLayout, MemoryRegion, TransferEngine, VerbsConfig,
                         allocate_shared_buffer, create_engine)
@@ -46,6 +40,7 @@ from rpc.auth import TLSFiles
 from rpc import pdserve_pb2 as pb
 from worker.config import WorkerConfig
 from worker.cpu_board import CpuLending, lending_of, pin_to_own_cpus
+from worker.kernels import own_thread_counts, set_attention_kernels, warm_pass_primitives
 from worker.registration import RegistrationClient
 from worker.rpcserver import AioServer
 
@@ -55,7 +50,7 @@ PREFILL_KERNEL_CACHE = 320
 """oneDNN primitives a prefill worker keeps cached (oneDNN's cache and ideep's, each): a pass
 reuses ~6 matmul shapes on every layer, at a row count bucketed by `engine.linear.bucket_rows`
 (36 buckets up to the default 2048 tokens a pass, 4 projection shapes each per thread count, 1
-and 2, fit: `_warm_row_buckets` builds them at start-up)."""
+and 2, fit: `worker.kernels.warm_pass_primitives` builds them at start-up)."""
 MALLOC_ARENAS = 2
 """glibc malloc arenas a prefill worker may create (``M_ARENA_MAX``)."""
 _M_ARENA_MAX = -8   # mallopt parameter (glibc malloc.h)
@@ -143,131 +138,6 @@ class WorkerResources:
             self.shared.close()
 
 
-def _set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
-    """A CPU worker's compiled attention kernels (``config.attention_backend`` "compiled" or
-    "auto"): a decode worker's decode attention (`engine.paged_decode.CompiledDecode`), and every
-    worker's attention of prompt chunks (`engine.flex_prefill.CompiledPrefill`;
-    a decode worker runs prompt passes when serving colocated), with the fused operators between
-    the matmuls (`engine.glue.CompiledGlue`) where the model's layers take them (``glue_applies``).
-    Each is loaded from the disk cache or built now (`engine.aot_kernel`), alone (the others
-    detached during its warm-up), once per thread count a pass it serves may run on
-    (`_pass_thread_counts`), its time logged; under "auto" the prompt kernel is then timed
-    against SDPA and kept for the chunk lengths it wins (`engine.prefill_choice`). When inductor
-    cannot build one here (no C++ compiler, say), "compiled" refuses to start (ValueError naming
-    the cause) and "auto" logs a warning with the cause and keeps SDPA / the grouped path. CUDA
-    pools (Triton), compiled layers (``--no-enforce-eager``) and "grouped" change nothing."""
-    if config.attention_backend == "grouped" or config.device != "cpu" or not config.enforce_eager:
-        return   # compiled layers attend through their own custom operator
-    kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", CompiledPrefill.min_tokens)]
-    if config.role == "decode":
-        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", 1))   # min_rows measured
-    if getattr(model, "glue_applies", lambda: False)():
-        kernels.append(("glue", CompiledGlue, "layer operators", "eager operators", CompiledGlue.min_rows))
-    for attr, kind, what, fallback, shortest in kernels:
-        kernel, counts = kind(), _pass_thread_counts(config, shortest)
-        try:
-            seconds = warm_kernel_alone(model, pool, attr, kernel, counts)
-        except Exception as exc:   # inductor's own errors
-            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if config.attention_backend == "compiled":
-                raise ValueError(f"--attention-backend compiled: the {what} kernel could not be built here "
-                                 f"({cause}); use --attention-backend grouped") from exc
-            log.warning("%s: %s (--attention-backend auto could not build the compiled kernel here: %s)",
-                        what, fallback, cause)
-            continue
-        packages = list(kernel.packages.values())
-        built = sum(p.built for p in packages)
-        log.info("%s: compiled (%s.%s), ready in %.1f s: %d package(s) for thread counts %s, %d built, %d loaded "
-                 "from %s", what, kind.__module__, kind.__name__, seconds, len(packages), counts, built,
-                 len(packages) - built, aot_cache_dir())
-        if attr == "decode_kernel":
-            _measure_decode_rows(config, model, pool, kernel)
-        elif attr == "prefill_kernel" and config.attention_backend == "auto":   # timed: it may lose here
-            log.info("prompt attention: %s", choose_prefill_lengths(model, kernel, *pool.layer_view(0), config.threads))
-
-
-def _warm_row_buckets(config: WorkerConfig, model) -> None:
-    """Build oneDNN's matmul primitives for every row bucket of a prompt pass up to
-    ``max_num_batched_tokens`` (`engine.linear.bucket_rows`) on each thread count such a pass
-    may run on, before the first request rather than on the first pass of each bucket (what a
-    build costs: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"), and with
-    ``--linear-backend template`` the GEMM template's packages for a decode pass's counts
-    (`engine.linear.warm_templates`); logs the times."""
-    t0 = time.perf_counter()
-    counts = _pass_thread_counts(config, BUCKET_FROM_ROWS + 1)
-    calls = warm_row_buckets(model.projection_kernels(), config.max_num_batched_tokens, counts)
-    log.info("projection row buckets: %d matmul primitive(s) built up to %d rows on thread counts %s in %.1f s",
-             calls, config.max_num_batched_tokens, counts, time.perf_counter() - t0)
-    if config.linear_backend == "template":   # raises TemplateUnavailable: the worker does not start
-        t0, counts = time.perf_counter(), _pass_thread_counts(config, 2)
-        log.info("linear backend template: %d GEMM template runtime(s) ready on thread counts %s in %.1f s",
-                 warm_templates(model.projection_kernels(), counts), counts, time.perf_counter() - t0)
-
-
-def _measure_decode_rows(config: WorkerConfig, model, pool: KVPool, kernel: CompiledDecode) -> None:
-    """Set the decode kernel's ``min_rows`` by timing it against the grouped path on this CPU
-    (the model's ``measure_decode_rows``), each batch size on the thread count its pass runs on
-    (one below ``parallel_min_tokens``, as `engine.runner.ModelRunner.set_pass_threads`), and
-    log the times."""
-    times = model.measure_decode_rows(pool, lambda rows: config.threads if rows >= config.parallel_min_tokens else 1)
-    log.info("decode attention: compiled from %d row(s) up (measured: %s)", kernel.min_rows,
-             ", ".join(f"{rows} row(s) {k * 1e6:.0f} us compiled against {g * 1e6:.0f} us grouped"
-                       for rows, (k, g) in times.items()) or "no free block: the default")
-
-
-KERNEL_ATTRS = ("prefill_kernel", "decode_kernel", "glue")   # a model's compiled kernels
-
-
-def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] | tuple[int, ...]) -> float:
-    """Set ``model.<attr>`` (one of `KERNEL_ATTRS`) to ``kernel`` and load or build its code by the
-    model's ``warm_up`` over ``pool`` on each torch thread count in ``counts`` (inductor's CPU
-    code is built for one count: one package each, `engine.aot_kernel`), the model's other
-    kernels detached meanwhile so that only this one is built; returns the seconds taken. The
-    thread count and the other kernels are restored on return. Raises whatever the build raises
-    (inductor's errors where it cannot build CPU code), ``model.<attr>`` then None."""
-    threads = torch.get_num_threads()
-    others = {a: getattr(model, a, None) for a in KERNEL_ATTRS if a != attr}
-    setattr(model, attr, kernel)
-    for a in others:
-        setattr(model, a, None)
-    try:
-        seconds = 0.0
-        for count in counts:
-            torch.set_num_threads(count)
-            seconds += model.warm_up(pool)
-        return seconds
-    except BaseException:
-        setattr(model, attr, None)
-        raise
-    finally:
-        torch.set_num_threads(threads)
-        for a, other in others.items():
-            setattr(model, a, other)
-
-
-def _own_thread_counts(config: WorkerConfig) -> tuple[int, ...]:
-    """The torch thread counts any pass runs on without a borrowed CPU (`_pass_thread_counts`
-    from one token, lending left out). Native weights time their low-bit kernel on each
-    (`engine.quant.choose_low_bit_plans`), not on a borrowed CPU's count: at start-up that CPU
-    is its owner's, loading its own model, so a timing there measures the contention
-    (docs/PERFORMANCE.md, "The low-bit kernel timed per pass thread count"); a borrowed pass
-    takes the plan of its own count."""
-    return tuple(_pass_thread_counts(config, 1, borrowing=False))
-
-
-def _pass_thread_counts(config: WorkerConfig, shortest: int, borrowing: bool = True) -> list[int]:
-    """The torch thread counts a pass that a compiled kernel serves may run on, the kernel
-    taking passes of ``shortest`` tokens and more (`engine.runner.ModelRunner`): ``threads``,
-    plus one for each lent CPU it may borrow (with ``borrowing``), and one thread when such a
-    pass can be under ``parallel_min_tokens``. Inductor's CPU graphs are built for one thread
-    count (torch guards on it), so each kernel is built for each of its counts."""
-    lent = len(config.lent_cpus()) if borrowing else 0
-    counts = {config.threads + borrowed for borrowed in range(lent + 1)}
-    if config.parallel_min_tokens > shortest:
-        counts.add(1)
-    return sorted(counts)
-
-
 def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None,
                     loaded: LoadedModel | None = None) -> WorkerResources:
     """Load the model and set up the pool + transfer engine (see module docstring).
@@ -280,7 +150,7 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
                                  gemv_copies=config.role != "prefill", compiled=not config.enforce_eager,
                                  tensor_parallel_size=config.tensor_parallel_size, threads=config.threads,
                                  tp_extension="worker.tp_rank:RankDataPlane",
-                                 low_bit_threads=_own_thread_counts(config), linear_backend=config.linear_backend)
+                                 low_bit_threads=own_thread_counts(config), linear_backend=config.linear_backend)
     tp = getattr(loaded.model, "tp_size", 1) > 1
     if config.weights == "auto":   # the mode load_model resolved it to (the compatibility hash's)
         config = dataclasses.replace(config, weights=loaded.weights)
@@ -300,9 +170,9 @@ def build_resources(config: WorkerConfig, arrivals: ArrivalHandler | None = None
     if tp:   # the followers' pools: in shared memory as rank 0's
         loaded.model.call("kv_buffer", shared is not None)
     pool = make_pool(loaded, cache, buffer)
-    _set_attention_kernels(config, loaded.model, pool)
+    set_attention_kernels(config, loaded.model, pool)
     if config.device == "cpu" and hasattr(loaded.model, "projection_kernels"):
-        _warm_row_buckets(config, loaded.model)
+        warm_pass_primitives(config, loaded.model)
         if config.role == "prefill" and not config.prefill_batch_tokens and config.enforce_eager and not tp:
             knee, line = choose_batch_tokens(loaded.model, pool, config.threads, config.weights,
                                              config.max_num_batched_tokens)

@@ -150,14 +150,14 @@ class LlamaModel:
         self._kv_size = c.num_kv_heads * c.head_dim
         self._compiled_layers = None
         self.decode_kernel = None
-        """`engine.paged_decode.CompiledDecode`, the CPU decode attention (`worker.runtime`); None: grouped."""
+        """`engine.paged_decode.CompiledDecode`, the CPU decode attention (`worker.kernels`); None: grouped."""
         self.prefill_kernel = None
-        """`engine.flex_prefill.CompiledPrefill`, the CPU prompt chunks' attention (`worker.runtime`); None: SDPA."""
+        """`engine.flex_prefill.CompiledPrefill`, the CPU prompt chunks' attention (`worker.kernels`); None: SDPA."""
         self.prefill_attn_dtype = None
         """Prompt chunks' SDPA dtype on the CPU (`engine.prefill_choice`); None: ``attn_dtype``."""
         self.glue = None
         """`engine.glue.CompiledGlue` for the rotary embedding, the residual add + RMSNorm and
-        SiLU x up of every pass (set by `worker.runtime` with the attention kernels; used where
+        SiLU x up of every pass (set by `worker.kernels` with the attention kernels; used where
         `glue_applies`); None: the eager operators."""
         self._glue_applies: bool | None = None
         if compiled:

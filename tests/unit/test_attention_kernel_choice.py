@@ -1,4 +1,4 @@
-"""`worker.runtime`'s choice of a CPU worker's attention kernels (``--attention-backend``): a
+"""`worker.kernels`'s choice of a CPU worker's attention kernels (``--attention-backend``): a
 decode worker's compiled decode kernel and every worker's compiled prompt kernel, built at
 start-up for each thread count a pass may take, and what happens where inductor cannot build
 them (a fault injected by replacing a kernel's class with one that fails as a missing C++
@@ -21,7 +21,7 @@ from engine.paged_decode import CompiledDecode
 from engine.kv_cache import KVPool
 from tests.unit.test_engine_runner import TINY, _model
 from worker.config import WorkerConfig
-from worker.runtime import _own_thread_counts, _pass_thread_counts, _set_attention_kernels
+from worker.kernels import own_thread_counts, pass_thread_counts, set_attention_kernels
 
 pytestmark = pytest.mark.unit
 
@@ -92,13 +92,13 @@ def tuning_dir(tmp_path, monkeypatch):
 
 def test_auto_and_compiled_build_the_kernels_and_grouped_does_not(model_and_pool, caplog):
     model, pool = model_and_pool
-    _set_attention_kernels(WorkerConfig(role="decode", attention_backend="grouped"), model, pool)
+    set_attention_kernels(WorkerConfig(role="decode", attention_backend="grouped"), model, pool)
     assert model.decode_kernel is None and model.prefill_kernel is None
-    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="compiled"), model, pool)
+    set_attention_kernels(WorkerConfig(role="prefill", attention_backend="compiled"), model, pool)
     assert model.decode_kernel is None and isinstance(model.prefill_kernel, CompiledPrefill)
     model.prefill_kernel = None
-    with caplog.at_level(logging.INFO, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto"), model, pool)
+    with caplog.at_level(logging.INFO, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto"), model, pool)
     assert isinstance(model.decode_kernel, CompiledDecode)
     assert "decode attention: compiled" in caplog.text and "prompt attention: compiled" in caplog.text
     # auto then times the prompt kernel against SDPA: kept from a length up, or dropped (next test)
@@ -115,47 +115,47 @@ def test_each_kernel_is_built_alone_for_each_thread_count_its_passes_may_take(mo
     ``parallel_min_tokens`` rows on one thread and longer ones on two: its decode kernel is
     built at both, and neither kernel's warm-up calls the other."""
     model, pool = model_and_pool
-    monkeypatch.setattr("worker.runtime.CompiledPrefill", _Counting)
-    monkeypatch.setattr("worker.runtime.CompiledDecode", _CountingDecode)
+    monkeypatch.setattr("worker.kernels.CompiledPrefill", _Counting)
+    monkeypatch.setattr("worker.kernels.CompiledDecode", _CountingDecode)
     before = torch.get_num_threads()
     config = WorkerConfig(role="prefill", attention_backend="compiled", cpu_board="/tmp/board", borrow_cpus="1")
-    _set_attention_kernels(config, model, pool)
+    set_attention_kernels(config, model, pool)
     assert model.prefill_kernel.thread_counts == [1, 1, 2, 2] and model.decode_kernel is None   # 2 a count
     assert sorted(key[0] for key in model.prefill_kernel.packages) == [1, 2]   # one package a count
     assert torch.get_num_threads() == before
     model.prefill_kernel = None
-    _set_attention_kernels(WorkerConfig(role="decode", attention_backend="compiled", threads=2), model, pool)
+    set_attention_kernels(WorkerConfig(role="decode", attention_backend="compiled", threads=2), model, pool)
     assert model.prefill_kernel.thread_counts == [2, 2]
     assert sorted(set(model.decode_kernel.thread_counts)) == [1, 2]   # once a layer
     assert sorted(key[0] for key in model.decode_kernel.packages) == [1, 2]
     assert torch.get_num_threads() == before
     shortest = CompiledPrefill.min_tokens
-    assert _pass_thread_counts(WorkerConfig(role="prefill", borrow_cpus="2,3", cpu_board="/tmp/board"),
+    assert pass_thread_counts(WorkerConfig(role="prefill", borrow_cpus="2,3", cpu_board="/tmp/board"),
                                shortest) == [1, 2, 3]
-    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2), shortest) == [2]
-    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1024), shortest) == [1, 2]
-    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2), CompiledDecode.min_rows) == [1, 2]
-    assert _pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=0),
+    assert pass_thread_counts(WorkerConfig(role="decode", threads=2), shortest) == [2]
+    assert pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1024), shortest) == [1, 2]
+    assert pass_thread_counts(WorkerConfig(role="decode", threads=2), CompiledDecode.min_rows) == [1, 2]
+    assert pass_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=0),
                                CompiledDecode.min_rows) == [2]
     # native weights time their low-bit kernel on the worker's own counts, never a borrowed CPU's
-    assert _own_thread_counts(WorkerConfig(role="decode", borrow_cpus="0", cpu_board="/tmp/board")) == (1,)
-    assert _own_thread_counts(WorkerConfig(role="decode", threads=2)) == (1, 2)
-    assert _own_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1)) == (2,)
+    assert own_thread_counts(WorkerConfig(role="decode", borrow_cpus="0", cpu_board="/tmp/board")) == (1,)
+    assert own_thread_counts(WorkerConfig(role="decode", threads=2)) == (1, 2)
+    assert own_thread_counts(WorkerConfig(role="decode", threads=2, parallel_min_tokens=1)) == (2,)
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_where_a_kernel_cannot_be_built_auto_keeps_the_eager_path_and_compiled_refuses(
         model_and_pool, monkeypatch, caplog, role):
     model, pool = model_and_pool
-    monkeypatch.setattr("worker.runtime.CompiledDecode", _NoCompiler)
-    monkeypatch.setattr("worker.runtime.CompiledPrefill", _NoCompilerPrefill)
-    with caplog.at_level(logging.WARNING, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role=role, attention_backend="auto"), model, pool)
+    monkeypatch.setattr("worker.kernels.CompiledDecode", _NoCompiler)
+    monkeypatch.setattr("worker.kernels.CompiledPrefill", _NoCompilerPrefill)
+    with caplog.at_level(logging.WARNING, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role=role, attention_backend="auto"), model, pool)
     assert model.decode_kernel is None and model.prefill_kernel is None
     assert "prompt attention: SDPA" in caplog.text and "No working C++ compiler" in caplog.text
     assert ("decode attention: grouped" in caplog.text) == (role == "decode")
     with pytest.raises(ValueError, match="--attention-backend compiled: the .* kernel could not be built"):
-        _set_attention_kernels(WorkerConfig(role=role, attention_backend="compiled"), model, pool)
+        set_attention_kernels(WorkerConfig(role=role, attention_backend="compiled"), model, pool)
     assert model.decode_kernel is None and model.prefill_kernel is None
     assert pool.allocator.num_free == pool.allocator.num_blocks
 
@@ -209,10 +209,10 @@ def test_a_decode_worker_sets_its_kernels_min_rows_by_timing_it_on_each_rows_thr
         return measured[-1]
 
     monkeypatch.setattr(model, "measure_decode_rows", measure)
-    monkeypatch.setattr("worker.runtime.CompiledDecode", _RowsAndThreads)
+    monkeypatch.setattr("worker.kernels.CompiledDecode", _RowsAndThreads)
     before = torch.get_num_threads()
-    with caplog.at_level(logging.INFO, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto", threads=2,
+    with caplog.at_level(logging.INFO, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto", threads=2,
                                             parallel_min_tokens=3), model, pool)
     (times,) = measured
     assert sorted(times) == list(ROW_CANDIDATES) and all(k > 0 and g > 0 for k, g in times.values())
@@ -264,13 +264,13 @@ def test_auto_keeps_the_prompt_kernel_only_where_it_was_timed_faster(model_and_p
 
     model, pool = model_and_pool
     if slower == "kernel":
-        monkeypatch.setattr("worker.runtime.CompiledPrefill", _SlowPrefill)
+        monkeypatch.setattr("worker.kernels.CompiledPrefill", _SlowPrefill)
     else:
         monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
                             _slow_sdpa(torch.nn.functional.scaled_dot_product_attention))
     before = torch.get_num_threads()
-    with caplog.at_level(logging.INFO, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto", threads=2), model, pool)
+    with caplog.at_level(logging.INFO, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto", threads=2), model, pool)
     assert torch.get_num_threads() == before
     timed = [m for m in caplog.messages if m.startswith("prompt attention: ") and "measured on 2 thread(s)" in m]
     assert len(timed) == 1 and all(f"{n} tokens " in timed[0] for n in MEASURE_LENGTHS)
@@ -280,8 +280,52 @@ def test_auto_keeps_the_prompt_kernel_only_where_it_was_timed_faster(model_and_p
         assert model.prefill_kernel.min_tokens == CompiledPrefill.min_tokens
         assert f"compiled from {CompiledPrefill.min_tokens} tokens up" in timed[0]
     model.prefill_kernel = None
-    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="compiled"), model, pool)
+    set_attention_kernels(WorkerConfig(role="prefill", attention_backend="compiled"), model, pool)
     assert model.prefill_kernel.min_tokens == CompiledPrefill.min_tokens
+
+
+class _SlowCounting(_RecordsThreads, _SlowPrefill):
+    """The slowed prompt kernel (`_SlowPrefill`), recording thread counts."""
+
+
+@pytest.mark.parametrize("slower", ["kernel", "sdpa"])
+def test_auto_builds_the_prompt_kernel_for_its_other_thread_counts_only_where_it_won(
+        model_and_pool, monkeypatch, caplog, slower):
+    """A prefill worker of one thread that may borrow a lent CPU runs prompt passes on one or two
+    threads. Under ``auto`` its prompt kernel is built for one thread, the count it is timed on,
+    and timed; only a kernel that won is then built for two, and warmed up from its default
+    length; one that lost is never built for two. A restart that reads the kept times back
+    builds no package to time: none at all where SDPA won, both where the kernel did."""
+    from engine.prefill_choice import MEASURE_LENGTHS
+
+    model, pool = model_and_pool
+    monkeypatch.setattr("worker.kernels.CompiledPrefill", _Counting if slower == "sdpa" else _SlowCounting)
+    if slower == "sdpa":
+        monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
+                            _slow_sdpa(torch.nn.functional.scaled_dot_product_attention))
+    config = WorkerConfig(role="prefill", attention_backend="auto", cpu_board="/tmp/board", borrow_cpus="1")
+    assert pass_thread_counts(config, CompiledPrefill.min_tokens) == [1, 2]
+    for start in ("first", "restart"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="worker.kernels"):
+            set_attention_kernels(config, model, pool)
+        ready = [m for m in caplog.messages if m.startswith("prompt attention: compiled (")]
+        if slower == "kernel":
+            assert model.prefill_kernel is None and "SDPA at every length" in caplog.text
+            assert [" to be timed against SDPA" in m for m in ready] == ([True] if start == "first" else [])
+            assert all("1 package(s) for thread counts [1]," in m for m in ready)   # never built for two
+            continue
+        kernel = model.prefill_kernel
+        assert kernel.min_tokens == CompiledPrefill.min_tokens and "compiled from 128 tokens up" in caplog.text
+        assert sorted(key[0] for key in kernel.packages) == [1, 2]
+        assert "2 package(s) for thread counts [1, 2]" in ready[-1]
+        first_on_two = kernel.thread_counts.index(2)
+        if start == "first":   # built on one thread and timed there (6 calls a length) before two
+            assert len(ready) == 2 and first_on_two > 6 * len(MEASURE_LENGTHS)
+        else:                  # times read back: one warm-up a count, nothing timed
+            assert len(ready) == 1 and kernel.thread_counts == [1] * first_on_two + [2] * first_on_two
+        model.prefill_kernel = None
+    assert pool.allocator.num_free == pool.allocator.num_blocks
 
 
 def test_the_prompt_choice_is_timed_once_per_machine_and_read_back_by_later_starts(model_and_pool, monkeypatch,
@@ -293,8 +337,8 @@ def test_the_prompt_choice_is_timed_once_per_machine_and_read_back_by_later_star
     model, pool = model_and_pool
     monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
                         _slow_sdpa(torch.nn.functional.scaled_dot_product_attention))
-    with caplog.at_level(logging.INFO, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    with caplog.at_level(logging.INFO, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
     (kept,) = tuning_dir.glob("prompt-attention-*.json")
     first = json.loads(kept.read_text())["times"]
     assert sorted(map(int, first)) == [128, 256, 512, 1024] and f"timed and kept in {tuning_dir}" in caplog.text
@@ -309,21 +353,21 @@ def test_the_prompt_choice_is_timed_once_per_machine_and_read_back_by_later_star
     monkeypatch.setattr(CompiledPrefill, "__call__", slow)
     model.prefill_kernel = None
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    with caplog.at_level(logging.INFO, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
     assert f"read from {tuning_dir}" in caplog.text and "compiled from 128 tokens up" in caplog.text
     assert model.prefill_kernel is not None and json.loads(kept.read_text())["times"] == first
     kept.write_text(json.dumps({"times": {"128": [1.0, 2.0]}}))   # lengths missing: timed again
     model.prefill_kernel = None
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+        set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
     assert str(kept) in caplog.text and "not used, timed again" in caplog.text
     assert model.prefill_kernel is None and "SDPA at every length" in caplog.text   # the slow kernel, timed
     assert sorted(map(int, json.loads(kept.read_text())["times"])) == [128, 256, 512, 1024]
-    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto", threads=2), model, pool)
-    monkeypatch.setattr("worker.runtime.CompiledPrefill", _SlowPrefill)   # another kernel: its own times
-    _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto", threads=2), model, pool)
+    monkeypatch.setattr("worker.kernels.CompiledPrefill", _SlowPrefill)   # another kernel: its own times
+    set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
     assert len(list(tuning_dir.glob("prompt-attention-*.json"))) == 3
 
 
@@ -363,12 +407,12 @@ def test_auto_takes_bfloat16_prompt_attention_only_where_it_was_timed_faster(mon
     monkeypatch.setattr("engine.prefill_choice.bf16_matmul_fast", lambda: True)
     monkeypatch.setattr("engine.attention.F.scaled_dot_product_attention",
                         _slow_in(slower, torch.nn.functional.scaled_dot_product_attention))
-    monkeypatch.setattr("worker.runtime.CompiledPrefill", _SlowPrefill)
+    monkeypatch.setattr("worker.kernels.CompiledPrefill", _SlowPrefill)
     model = _model(5, kv_dtype=torch.bfloat16)
     pool = KVPool(TINY, CacheConfig(block_size=4, num_blocks=16, dtype="bfloat16"))
     model.prefill_attn_dtype = slower   # a previous choice, replaced by this one
-    with caplog.at_level(logging.INFO, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
+    with caplog.at_level(logging.INFO, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role="prefill", attention_backend="auto"), model, pool)
     (timed,) = [m for m in caplog.messages if m.startswith("prompt attention: ") and "measured on" in m]
     assert model.prefill_kernel is None and "us SDPA in bfloat16" in timed
     if slower == torch.float32:

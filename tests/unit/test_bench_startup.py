@@ -12,22 +12,27 @@ from engine.config import CacheConfig
 from engine.kv_cache import KVPool
 from tests.unit.test_engine_runner import TINY, _model
 from worker.config import WorkerConfig
-from worker.runtime import _set_attention_kernels
+from worker.kernels import set_attention_kernels
 
 pytestmark = pytest.mark.unit
 
 
-def test_kernel_times_come_from_the_workers_own_log_lines(tmp_path, caplog):
+def test_kernel_times_come_from_the_workers_own_log_lines(tmp_path, caplog, monkeypatch):
+    """The prompt kernel, timed against SDPA in a tuning directory of the test's own, logs its
+    package built to be timed (and, where it won, another line for its thread counts: summed)."""
+    monkeypatch.setattr("engine.tuning.tuning_dir", lambda: tmp_path / "pdserve-tuning")
     model, pool = _model(5), KVPool(TINY, CacheConfig(block_size=4, num_blocks=16))
-    with caplog.at_level(logging.INFO, logger="worker.runtime"):
-        _set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto"), model, pool)
-    glue = ("INFO worker.runtime: layer operators: compiled (engine.glue.CompiledGlue), ready in 2.5 s: "
+    with caplog.at_level(logging.INFO, logger="worker.kernels"):
+        set_attention_kernels(WorkerConfig(role="decode", attention_backend="auto"), model, pool)
+    glue = ("INFO worker.kernels: layer operators: compiled (engine.glue.CompiledGlue), ready in 2.5 s: "
             "6 package(s) for thread counts [1, 2], 6 built, 0 loaded from /tmp/x\n")   # a bfloat16 model's
     (tmp_path / "decode-0.log").write_text(caplog.text + glue)
     (tmp_path / "router.log").write_text("nothing compiled here\n")
     builds = kernel_builds(tmp_path)
     assert sorted(builds) == ["decode-0/decode attention", "decode-0/layer operators", "decode-0/prompt attention"]
     assert builds["decode-0/layer operators"] == 2.5
+    (tmp_path / "decode-0.log").write_text(glue + glue)
+    assert kernel_builds(tmp_path) == {"decode-0/layer operators": 5.0}
     assert all(seconds >= 0 for seconds in builds.values())
 
 
