@@ -18,11 +18,19 @@ modules that define the kernel, so any change to them builds a new package. Pack
 ``<inductor's cache>/pdserve-aot/`` (``TORCHINDUCTOR_CACHE_DIR``, else inductor's default
 ``<tmp>/torchinductor_<user>``), written to a temporary name and renamed into place, so workers
 starting together never read half a package; one that cannot be loaded is built again.
+
+A package is built by one process at a time: the build holds an exclusive ``flock`` on the
+package's lock file beside it, and a second process that wants the same package waits for it and
+loads what the first built. Under `defer_busy` it does not wait: `PackageBusy` tells it to build
+something else first (`worker.kernels` walks a kernel's thread counts so), so two workers starting
+together on one machine share a kernel's packages between them instead of building each twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import fcntl
 import getpass
 import hashlib
 import json
@@ -129,6 +137,39 @@ def _build(path: Path, export: Callable[[], "torch.export.ExportedProgram"],
         tmp.unlink(missing_ok=True)
 
 
+class PackageBusy(RuntimeError):
+    """`load_or_build` under `defer_busy`: the package is not on disk and another process holds
+    its build lock (is building it now). Nothing was built or loaded; ask again later, or outside
+    `defer_busy` to wait for that build and load its package."""
+
+
+_DEFER = contextvars.ContextVar("pdserve_aot_defer", default=False)
+
+
+@contextlib.contextmanager
+def defer_busy():
+    """Within this block `load_or_build` raises `PackageBusy` instead of waiting for a package
+    another process is building (in this thread or task only)."""
+    token = _DEFER.set(True)
+    try:
+        yield
+    finally:
+        _DEFER.reset(token)
+
+
+def _load(path: Path, name: str, t0: float) -> AotPackage | None:
+    """The package at ``path`` loaded, None when absent; one the runtime refuses is removed
+    (with a warning) so that it is built again."""
+    if not path.exists():
+        return None
+    try:
+        return AotPackage(path, False, time.perf_counter() - t0)
+    except RuntimeError as exc:
+        log.warning("%s: cannot load %s (%s); building it again", name, path, str(exc).splitlines()[0])
+        path.unlink(missing_ok=True)
+        return None
+
+
 def load_or_build(name: str, params: dict, sources: list[str | Path],
                   export: Callable[[], "torch.export.ExportedProgram"],
                   codegen: Callable[[], contextlib.AbstractContextManager] | None = None) -> AotPackage:
@@ -136,20 +177,27 @@ def load_or_build(name: str, params: dict, sources: list[str | Path],
     count: loaded from `cache_dir` when there, else ``export()`` (a ``torch.export`` program of
     the kernel) compiled by AOTInductor (`configure_inductor`; inside ``codegen()``, a context
     that adjusts inductor's code generation, when given), stored, then loaded. A stored
-    package the runtime refuses (truncated, say) is built again, with a warning. Raises whatever
-    export or inductor raise where they cannot build (no C++ compiler, an operator export does not
-    take), and OSError when the cache cannot be written."""
+    package the runtime refuses (truncated, say) is built again, with a warning. The build holds
+    the package's lock (module doc): a process that finds it held waits, then loads the package
+    built meanwhile; under `defer_busy` it raises `PackageBusy` at once. Raises whatever export or
+    inductor raise where they cannot build (no C++ compiler, an operator export does not take),
+    and OSError when the cache cannot be written."""
     t0 = time.perf_counter()
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}-{package_key(name, params, sources)}.pt2"
-    if path.exists():
+    package = _load(path, name, t0)
+    if package is not None:
+        return package
+    with open(path.with_name(f".{path.stem}.lock"), "a") as lock:
         try:
-            return AotPackage(path, False, time.perf_counter() - t0)
-        except RuntimeError as exc:
-            log.warning("%s: cannot load %s (%s); building it again", name, path, str(exc).splitlines()[0])
-            path.unlink(missing_ok=True)
-    _build(path, export, codegen)
+            fcntl.flock(lock, fcntl.LOCK_EX | (fcntl.LOCK_NB if _DEFER.get() else 0))
+        except BlockingIOError:
+            raise PackageBusy(f"{name}: {path.name} is being built by another process") from None
+        package = _load(path, name, t0)   # built by the lock's holder while this one waited
+        if package is not None:
+            return package
+        _build(path, export, codegen)   # the lock is released on close, or by the kernel if this dies
     return AotPackage(path, True, time.perf_counter() - t0)
 
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from engine.aot_kernel import PackageBusy, defer_busy
 from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
 from engine.glue import CompiledGlue
@@ -136,8 +137,9 @@ KERNEL_ATTRS = ("prefill_kernel", "decode_kernel", "glue")   # a model's compile
 def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] | tuple[int, ...]) -> float:
     """Set ``model.<attr>`` (one of `KERNEL_ATTRS`) to ``kernel`` and load or build its code by the
     model's ``warm_up`` over ``pool`` on each torch thread count in ``counts`` (inductor's CPU
-    code is built for one count: one package each, `engine.aot_kernel`), the model's other
-    kernels detached meanwhile so that only this one is built; returns the seconds taken. The
+    code is built for one count: one package each, `engine.aot_kernel`; a count whose package
+    another process is building waits its turn, `_warm_counts`), the model's other kernels
+    detached meanwhile so that only this one is built; returns the seconds taken. The
     thread count and the other kernels are restored on return. Raises whatever the build raises
     (inductor's errors where it cannot build CPU code), ``model.<attr>`` then None."""
     threads = torch.get_num_threads()
@@ -146,11 +148,9 @@ def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] 
     for a in others:
         setattr(model, a, None)
     try:
-        seconds = 0.0
-        for count in counts:
-            torch.set_num_threads(count)
-            seconds += model.warm_up(pool)
-        return seconds
+        t0 = time.perf_counter()
+        _warm_counts(model, pool, kernel, counts)
+        return time.perf_counter() - t0
     except BaseException:
         setattr(model, attr, None)
         raise
@@ -158,6 +158,31 @@ def warm_kernel_alone(model, pool: KVPool, attr: str, kernel, counts: list[int] 
         torch.set_num_threads(threads)
         for a, other in others.items():
             setattr(model, a, other)
+
+
+def _warm_counts(model, pool: KVPool, kernel, counts) -> None:
+    """``model.warm_up`` over ``pool`` on each torch thread count in ``counts``, in order, except
+    that a count whose package another process is building now (`engine.aot_kernel.PackageBusy`
+    under `defer_busy`) is left for later while the counts after it are built; when a round over
+    those left loads nothing new, the first is warmed waiting for that build. Two workers starting
+    together thus split a kernel's packages between them (each built once) rather than both
+    building every one. ``kernel.packages`` (its loaded packages by key) tells what a round made.
+    Raises what ``warm_up`` raises, `PackageBusy` never."""
+    left = list(counts)
+    while left:
+        made = len(kernel.packages)
+        for count in list(left):
+            torch.set_num_threads(count)
+            try:
+                with defer_busy():
+                    model.warm_up(pool)
+            except PackageBusy:
+                continue
+            left.remove(count)
+        if left and len(kernel.packages) == made:
+            torch.set_num_threads(left[0])
+            model.warm_up(pool)
+            left.pop(0)
 
 
 def own_thread_counts(config: WorkerConfig) -> tuple[int, ...]:
