@@ -42,10 +42,12 @@ def set_attention_kernels(config: WorkerConfig, model, pool: KVPool) -> None:
     if config.attention_backend == "grouped" or config.device != "cpu" or not config.enforce_eager:
         return   # compiled layers attend through their own custom operator
     kernels = [("prefill_kernel", CompiledPrefill, "prompt attention", "SDPA", CompiledPrefill.min_tokens)]
-    if config.role == "decode":
-        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", 1))   # min_rows measured
+    # the layer operators before decode attention: a prefill worker starting beside this one
+    # builds the same packages then, and the two split them (`_warm_counts`)
     if getattr(model, "glue_applies", lambda: False)():
         kernels.append(("glue", CompiledGlue, "layer operators", "eager operators", CompiledGlue.min_rows))
+    if config.role == "decode":
+        kernels.append(("decode_kernel", CompiledDecode, "decode attention", "grouped", 1))   # min_rows measured
     for attr, kind, what, fallback, shortest in kernels:
         kernel, counts = kind(), pass_thread_counts(config, shortest)
         try:
