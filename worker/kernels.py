@@ -16,7 +16,7 @@ from engine.aot_kernel import cache_dir as aot_cache_dir
 from engine.flex_prefill import CompiledPrefill
 from engine.glue import CompiledGlue
 from engine.kv_cache import KVPool
-from engine.linear import BUCKET_FROM_ROWS, warm_row_buckets, warm_templates
+from engine.linear import BUCKET_FROM_ROWS, WARM_BUCKET_ROWS, warm_row_buckets, warm_templates
 from engine.paged_decode import CompiledDecode
 from engine.prefill_choice import choose_prefill_lengths
 from worker.config import WorkerConfig
@@ -106,16 +106,18 @@ def _log_ready(what: str, kernel, seconds: float, counts, note: str = "") -> Non
 
 def warm_pass_primitives(config: WorkerConfig, model) -> None:
     """Build oneDNN's matmul primitives for every row bucket of a prompt pass up to
-    ``max_num_batched_tokens`` (`engine.linear.bucket_rows`) on each thread count such a pass
-    may run on, before the first request rather than on the first pass of each bucket (what a
-    build costs: docs/PERFORMANCE.md, "A oneDNN primitive per prompt length"), and with
-    ``--linear-backend template`` the GEMM template's packages for a decode pass's counts
-    (`engine.linear.warm_templates`); logs the times."""
+    ``max_num_batched_tokens`` or `engine.linear.WARM_BUCKET_ROWS`, the fewer
+    (`engine.linear.bucket_rows`), on each thread count such a pass may run on, before the first
+    request rather than on the first pass of each bucket (what a build costs: docs/PERFORMANCE.md,
+    "A oneDNN primitive per prompt length"); larger buckets build theirs at their first pass. With
+    ``--linear-backend template``, the GEMM template's packages for a decode pass's counts too
+    (`engine.linear.warm_templates`). Logs the times."""
     t0 = time.perf_counter()
     counts = pass_thread_counts(config, BUCKET_FROM_ROWS + 1)
-    calls = warm_row_buckets(model.projection_kernels(), config.max_num_batched_tokens, counts)
-    log.info("projection row buckets: %d matmul primitive(s) built up to %d rows on thread counts %s in %.1f s",
-             calls, config.max_num_batched_tokens, counts, time.perf_counter() - t0)
+    rows = min(config.max_num_batched_tokens, WARM_BUCKET_ROWS)
+    calls = warm_row_buckets(model.projection_kernels(), rows, counts)
+    log.info("projection row buckets: %d matmul primitive(s) built up to %d rows on thread counts %s in %.1f s "
+             "(larger buckets at their first pass)", calls, rows, counts, time.perf_counter() - t0)
     if config.linear_backend == "template":   # raises TemplateUnavailable: the worker does not start
         t0, counts = time.perf_counter(), pass_thread_counts(config, 2)
         log.info("linear backend template: %d GEMM template runtime(s) ready on thread counts %s in %.1f s",

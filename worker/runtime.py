@@ -50,7 +50,7 @@ PREFILL_KERNEL_CACHE = 320
 """oneDNN primitives a prefill worker keeps cached (oneDNN's cache and ideep's, each): a pass
 reuses ~6 matmul shapes on every layer, at a row count bucketed by `engine.linear.bucket_rows`
 (36 buckets up to the default 2048 tokens a pass, 4 projection shapes each per thread count, 1
-and 2, fit: `worker.kernels.warm_pass_primitives` builds them at start-up)."""
+and 2, fit: `worker.kernels.warm_pass_primitives` builds those up to 512 rows at start-up)."""
 MALLOC_ARENAS = 2
 """glibc malloc arenas a prefill worker may create (``M_ARENA_MAX``)."""
 _M_ARENA_MAX = -8   # mallopt parameter (glibc malloc.h)

@@ -138,3 +138,39 @@ def test_the_template_backend_multiplies_decode_rows_through_its_copy_and_the_re
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
         torch.testing.assert_close(lin(x).float(), (x @ w.T).float(), rtol=1e-2, atol=2e-2)
     assert calls == [2, 17, TEMPLATE_MAX_ROWS]   # one row and prompt-sized passes stay on oneDNN
+
+
+def test_a_worker_warms_the_buckets_up_to_the_warm_bound_or_its_pass_budget_the_fewer(caplog):
+    """`worker.kernels.warm_pass_primitives` on a model's real `Linear` kernels: buckets up to
+    `WARM_BUCKET_ROWS` with the default 2048-token budget, up to the budget where it is lower;
+    the log line names the bound."""
+    import logging
+
+    from engine.linear import WARM_BUCKET_ROWS
+    from worker.config import WorkerConfig
+    from worker.kernels import pass_thread_counts, warm_pass_primitives
+
+    if not onednn_available():
+        import pytest
+
+        pytest.skip("this torch build has no oneDNN packed linear")
+    seen = []
+
+    class Recording(Linear):   # the real kernel, its calls recorded
+        def __call__(self, x):
+            seen.append(x.shape[0])
+            return super().__call__(x)
+
+    class Model:
+        def projection_kernels(self):
+            return [Recording(torch.randn(8, 16), "onednn")]
+
+    for budget, top in ((2048, WARM_BUCKET_ROWS), (300, 320)):
+        config = WorkerConfig(role="prefill", max_num_batched_tokens=budget)
+        seen.clear()
+        with caplog.at_level(logging.INFO, logger="worker.kernels"):
+            warm_pass_primitives(config, Model())
+        buckets = sorted({bucket_rows(r) for r in range(BUCKET_FROM_ROWS + 1, min(budget, WARM_BUCKET_ROWS) + 1)})
+        assert max(seen) == top and sorted(set(seen)) == buckets
+        assert len(seen) == len(buckets) * len(pass_thread_counts(config, BUCKET_FROM_ROWS + 1))
+        assert f"up to {min(budget, WARM_BUCKET_ROWS)} rows" in caplog.text
