@@ -40,9 +40,9 @@ BUCKET_FROM_ROWS = 64
 WARM_BUCKET_ROWS = 512
 """A worker builds its row buckets' primitives at start-up up to this many rows
 (`worker.kernels.warm_pass_primitives`), the larger ones at the first pass that meets each: their
-warm-up is mostly the multiplies that build them, not the build (a float32 2048-row bucket's
-multiply takes ten times its primitive's build), and that build adds little to the pass that
-meets it first (docs/PERFORMANCE.md, "Row buckets warmed up to 512 rows")."""
+warm-up is mostly the multiplies that build them rather than the builds, and a build adds little
+to the pass that meets it first (measured: docs/PERFORMANCE.md, "Row buckets warmed up to 512
+rows")."""
 TEMPLATE_MAX_ROWS = BUCKET_FROM_ROWS
 """The ``template`` backend multiplies inputs of 2 to this many rows through its template copy."""
 
