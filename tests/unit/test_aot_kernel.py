@@ -108,3 +108,24 @@ def test_the_cache_key_follows_threads_parameters_and_source(tmp_path):
         assert package_key("k", {"scale": 0.5}, [src]) != one
     finally:
         torch.set_num_threads(threads)
+
+
+def test_one_package_serves_head_major_pools_of_every_size_and_other_layouts_get_their_own():
+    """The pool a worker allocates is a view of head-major planes (`engine.kv_cache.KVPool`), its
+    block count set by ``--num-blocks``: one package (built for the first size) computes the eager
+    result over pools of 16 and 40 blocks; a block-major pool of the same shape, whose strides the
+    package was not built for, gets a package of its own."""
+    c = _case()
+    kernel = CompiledDecode()
+    g = torch.Generator().manual_seed(11)
+    head_major = [(k, v) for k, v in ((c["k_pool"], c["v_pool"]),
+                                      (torch.randn(2, 40, 4, 16, generator=g).bfloat16().transpose(0, 1),
+                                       torch.randn(2, 40, 4, 16, generator=g).bfloat16().transpose(0, 1)))]
+    block_major = (c["k_pool"].contiguous(), c["v_pool"].contiguous())
+    for k_pool, v_pool in (*head_major, block_major):
+        want = paged_decode_indexed(c["q"], k_pool, v_pool, c["tables"], c["lens_t"], None, SCALE, None)
+        torch.testing.assert_close(kernel(c["q"], k_pool, v_pool, c["batch"], None, SCALE, None), want,
+                                   rtol=1e-5, atol=1e-5)
+        if k_pool is head_major[1][0]:
+            assert len(kernel.packages) == 1
+    assert len(kernel.packages) == 2
