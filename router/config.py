@@ -88,13 +88,10 @@ class RouterConfig:
             1024 (what that is in prefill time on one core: docs/PERFORMANCE.md, "Serving modes:
             auto mode's prefill backlog rule").
         auto_decode_prefill_speed: in ``"auto"`` mode, a decode worker's prefill rate as a
-            fraction of a prefill worker's: its queue of colocated prompt tokens counts
-            1 / this as long against a prefill worker's backlog
-            (`router.serving.colocate_on_placement`). The default, 1.0, joins the shorter queue:
-            a decode worker batches its prompts up to its step budget beside its decoding
-            sequences, so it computes them at about a prefill worker's rate (measured:
-            docs/PERFORMANCE.md, "Auto mode: the path chosen at placement", "Auto mode's decode
-            prefill speed at the step budget"). More than 0.
+            fraction of a prefill worker's (its prompt chunks share passes with decode steps):
+            its queue of colocated prompt tokens counts this much longer against a prefill
+            worker's backlog (`router.serving.colocate_on_placement`; measured:
+            docs/PERFORMANCE.md, "Auto mode: the path chosen at placement"). More than 0.
         prefill_warmup: after a disaggregated request finished, ask its prefill worker (when it
             has a prefix cache) to warm its cache with the prompt + output (``Prefill.Warm``), so
             a conversation's next turn computes only the new message there. Costs prefill
@@ -133,7 +130,7 @@ class RouterConfig:
     serving_mode: str = "disaggregated"
     colocated_threshold_tokens: int = 0
     auto_prefill_backlog_tokens: int = 1024
-    auto_decode_prefill_speed: float = 1.0
+    auto_decode_prefill_speed: float = 0.5
     prefill_warmup: bool = True
 
     @property

@@ -145,8 +145,7 @@ def test_auto_mode_prefills_on_the_decode_worker_while_every_prefill_worker_is_b
     d, _ = m.register(info("d0", pb.DECODE))
     for p in ps:
         assert m.link(p.worker_id, "d0", (p.epoch, d.epoch))
-    config = RouterConfig(serving_mode="auto", colocated_threshold_tokens=100, auto_prefill_backlog_tokens=1000,
-                          auto_decode_prefill_speed=0.5)
+    config = RouterConfig(serving_mode="auto", colocated_threshold_tokens=100, auto_prefill_backlog_tokens=1000)
     orch = Orchestrator(config, m, None, make_policy("load"), RouterMetrics(m))
     prompt = tuple(range(1000, 1300))
     assert orch._path(prompt)[0] is EITHER                  # chosen at placement
