@@ -33,7 +33,7 @@ import torch
 
 from bench.common import arg_parser, median_time, write_json
 from engine.attention import ForwardBatch, SeqChunk, paged_attention
-from engine.paged_decode import CompiledDecode, package_pools
+from engine.paged_decode import CompiledDecode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -62,7 +62,7 @@ def _one_call(kernel: CompiledDecode, q, k_pool, v_pool, fb: ForwardBatch):
     """The kernel's package called once over ``fb``'s whole table (no length groups)."""
     package = kernel.package(q, k_pool, v_pool, None, None, None)
     tables, lens = fb.indexed_decode_inputs()
-    q, (k_pool, v_pool) = q.contiguous(), package_pools(k_pool, v_pool)
+    q = q.contiguous()
     return lambda: package(q, k_pool, v_pool, tables, lens)
 
 

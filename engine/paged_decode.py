@@ -157,8 +157,8 @@ class CompiledDecode:
     the block table's width (two and more: a table of one column is padded to two,
     `engine.attention.ForwardBatch.indexed_decode_inputs`) are dynamic. A package is built for one
     thread count (inductor writes its parallel loops for it), one pool dtype, KV heads, block size
-    and head dimension (any block count where the pool is a view of head-major planes, as
-    `engine.kv_cache.KVPool` holds it: `package_pools`; one shape and stride otherwise), one
+    and head dimension (any block count where the pool is a view of head-major storage, as
+    `engine.kv_cache.KVPool` holds it: `head_major`; one shape and stride otherwise), one
     query dtype and head shape, window, scale and soft-cap; the kernel keeps one per such key,
     loaded from the disk cache or built at the first call that needs it (a model's ``warm_up``
     makes that call before the first request; a worker warms each thread count its passes may
@@ -186,17 +186,16 @@ class CompiledDecode:
                 scale: float | None, softcap: float | None) -> AotPackage:
         """The package for these operands (``q`` ``[D, heads, head_dim]``, one layer's pools) on
         the current thread count: kept, loaded or built (`engine.aot_kernel.package_for`). For
-        pools that are views of head-major planes (`head_major`) the key holds no block count:
+        pools that are views of head-major storage (`head_major`) the key holds no block count:
         one package serves every pool size; other layouts are keyed by their shape and strides."""
-        planes = head_major(k_pool, v_pool)
-        if planes is not None:
-            key = (q.dtype, q.shape[1:], k_pool.dtype, "head-major", planes[0].shape[:1] + planes[0].shape[2:],
-                   window, scale, softcap)
+        dynamic = head_major(k_pool, v_pool)
+        if dynamic:
+            key = (q.dtype, q.shape[1:], k_pool.dtype, "head-major", k_pool.shape[1:], window, scale, softcap)
         else:
             key = (q.dtype, q.shape[1:], k_pool.dtype, k_pool.shape, k_pool.stride(), v_pool.stride(), window,
                    scale, softcap)
         return package_for(self.packages, "paged_decode", key, [__file__],
-                           lambda: _export_decode(q, k_pool, v_pool, window, scale, softcap, planes is not None))
+                           lambda: _export_decode(q, k_pool, v_pool, window, scale, softcap, dynamic))
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
                  window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
@@ -210,10 +209,8 @@ class CompiledDecode:
         rows = q.shape[0]
         q = q.contiguous()
         package = self.package(q, k_pool, v_pool, window, scale, softcap)
-        block_size = k_pool.shape[2]
-        k_pool, v_pool = package_pools(k_pool, v_pool)
         groups = None if torch.get_num_threads() > 1 else batch.memo(
-            ("length_groups", block_size), lambda: length_groups(tables, lens, block_size))
+            ("length_groups", k_pool.shape[2]), lambda: length_groups(tables, lens, k_pool.shape[2]))
         if groups is None:
             return package(q, k_pool, v_pool, tables, lens)[0][:rows]
         out = q.new_empty(rows, q.shape[1] * q.shape[2])
@@ -222,62 +219,53 @@ class CompiledDecode:
         return out
 
 
-def package_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a `CompiledDecode` package takes for one layer's pools
-    (``[num_blocks, num_kv_heads, block_size, head_dim]``): their `head_major` planes where they
-    are views of them (the package's block count dynamic), else the pools as given."""
-    planes = head_major(k_pool, v_pool)
-    return planes if planes is not None else (k_pool, v_pool)
-
-
-def head_major(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(k_planes, v_planes)``, each ``[num_kv_heads, num_blocks, block_size, head_dim]`` and
-    contiguous, when one layer's pools (``[num_blocks, num_kv_heads, block_size, head_dim]``) are
-    views of such planes (the head-major pool, `engine.kv_pool`) of two or more blocks; else None."""
-    planes = k_pool.transpose(0, 1), v_pool.transpose(0, 1)
-    if k_pool.shape[0] < 2 or not all(p.is_contiguous() for p in planes):
-        return None
-    return planes
+def head_major(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether one layer's pools (``[num_blocks, num_kv_heads, block_size, head_dim]``) are views
+    of head-major storage, contiguous as ``[num_kv_heads, num_blocks, block_size, head_dim]`` (as
+    `engine.kv_cache.KVPool.layer_view` gives them), of two or more blocks: their strides then
+    follow from the block count, which a `CompiledDecode` package takes as dynamic. Read from
+    the shapes and strides alone (no tensor is made: it runs per layer and step)."""
+    blocks, heads, block_size, head_dim = k_pool.shape
+    want = (block_size * head_dim, blocks * block_size * head_dim, head_dim, 1)
+    return (blocks >= 2 and v_pool.shape == k_pool.shape and k_pool.stride() == want
+            and v_pool.stride() == want)
 
 
 class _Decode(torch.nn.Module):
-    """`paged_decode_indexed` with its static parameters fixed, as `torch.export` takes it; with
-    ``planes`` it takes the pools as `head_major` planes and attends through their block-major
-    views."""
+    """`paged_decode_indexed` with its static parameters fixed, as `torch.export` takes it."""
 
-    def __init__(self, window: int | None, scale: float | None, softcap: float | None, planes: bool = False):
+    def __init__(self, window: int | None, scale: float | None, softcap: float | None):
         super().__init__()
-        self.window, self.scale, self.softcap, self.planes = window, scale, softcap, planes
+        self.window, self.scale, self.softcap = window, scale, softcap
 
     def forward(self, q, k_pool, v_pool, block_tables, lens):
-        if self.planes:
-            k_pool, v_pool = k_pool.transpose(0, 1), v_pool.transpose(0, 1)
         return paged_decode_indexed(q, k_pool, v_pool, block_tables, lens, self.window, self.scale, self.softcap)
 
 
 EXPORT_BLOCKS = 17
-"""Blocks of the example planes a head-major package is exported on (any count from two is
+"""Blocks of the example pools a head-major package is exported on (any count from two is
 served): a prime unlike the example's rows (5) and table width (7), so no size of the example
 equals another by chance and gets tied to it in the exported program."""
 
 
 def _export_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int | None,
-                   scale: float | None, softcap: float | None, planes: bool = False):
+                   scale: float | None, softcap: float | None, dynamic_blocks: bool = False):
     """`_Decode` exported on example operands shaped as ``q`` and the pools (5 rows, 7 table
-    columns), rows dynamic from one up and columns from two; with ``planes``, on zero
-    `head_major` planes of `EXPORT_BLOCKS` blocks, the block count dynamic from two up, else on
-    the pools themselves (static)."""
+    columns), rows dynamic from one up and columns from two; with ``dynamic_blocks`` (pools that
+    are `head_major` views), on views of zero head-major storage of `EXPORT_BLOCKS` blocks, the
+    block count dynamic from two up (the strides follow from it), else on the pools themselves
+    (shape and strides static)."""
     rows, width = torch.export.Dim("rows", min=1), torch.export.Dim("width", min=2)
     example_q = torch.zeros(5, *q.shape[1:], dtype=q.dtype, device=q.device)
     tables = torch.zeros(5, 7, dtype=torch.long, device=q.device)
     lens = torch.full((5,), 7 * k_pool.shape[2], dtype=torch.long, device=q.device)
     pool_shapes = (None, None)
-    if planes:
-        k_pool, v_pool = (torch.zeros(p.shape[1], EXPORT_BLOCKS, *p.shape[2:], dtype=p.dtype, device=p.device)
-                          for p in (k_pool, v_pool))
+    if dynamic_blocks:
+        k_pool, v_pool = (torch.zeros(p.shape[1], EXPORT_BLOCKS, *p.shape[2:], dtype=p.dtype,
+                                      device=p.device).transpose(0, 1) for p in (k_pool, v_pool))
         blocks = torch.export.Dim("blocks", min=2)
-        pool_shapes = ({1: blocks}, {1: blocks})
-    return torch.export.export(_Decode(window, scale, softcap, planes), (example_q, k_pool, v_pool, tables, lens),
+        pool_shapes = ({0: blocks}, {0: blocks})
+    return torch.export.export(_Decode(window, scale, softcap), (example_q, k_pool, v_pool, tables, lens),
                                dynamic_shapes=({0: rows}, *pool_shapes, {0: rows, 1: width}, {0: rows}))
 
 
