@@ -16,7 +16,7 @@ import torch
 
 from engine.aot_kernel import cache_dir, package_key
 from engine.glue import CompiledGlue
-from engine.paged_decode import CompiledDecode, paged_decode_indexed
+from engine.paged_decode import CompiledDecode, head_major, paged_decode_indexed
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +54,7 @@ def test_a_restarted_process_loads_the_package_without_dynamo_and_gets_the_eager
     script = CASE + textwrap.dedent(f"""
         import json, sys
         torch.set_num_threads({torch.get_num_threads()})
-        from engine.paged_decode import CompiledDecode, paged_decode_indexed
+        from engine.paged_decode import CompiledDecode, head_major, paged_decode_indexed
         kernel = CompiledDecode()
         out = kernel(q, k_pool, v_pool, batch, None, {SCALE}, None)
         want = paged_decode_indexed(q, k_pool, v_pool, tables, lens_t, None, {SCALE}, None)
@@ -111,21 +111,21 @@ def test_the_cache_key_follows_threads_parameters_and_source(tmp_path):
 
 
 def test_one_package_serves_head_major_pools_of_every_size_and_other_layouts_get_their_own():
-    """The pool a worker allocates is a view of head-major planes (`engine.kv_cache.KVPool`), its
+    """The pool a worker allocates is a view of head-major storage (`engine.kv_cache.KVPool`), its
     block count set by ``--num-blocks``: one package (built for the first size) computes the eager
     result over pools of 16 and 40 blocks; a block-major pool of the same shape, whose strides the
-    package was not built for, gets a package of its own."""
+    package was not built for, gets a package of its own, and so would a pool of one block."""
     c = _case()
     kernel = CompiledDecode()
     g = torch.Generator().manual_seed(11)
-    head_major = [(k, v) for k, v in ((c["k_pool"], c["v_pool"]),
-                                      (torch.randn(2, 40, 4, 16, generator=g).bfloat16().transpose(0, 1),
-                                       torch.randn(2, 40, 4, 16, generator=g).bfloat16().transpose(0, 1)))]
+    larger = tuple(torch.randn(2, 40, 4, 16, generator=g).bfloat16().transpose(0, 1) for _ in range(2))
     block_major = (c["k_pool"].contiguous(), c["v_pool"].contiguous())
-    for k_pool, v_pool in (*head_major, block_major):
+    assert head_major(c["k_pool"], c["v_pool"]) and head_major(*larger) and not head_major(*block_major)
+    assert not head_major(c["k_pool"][:1], c["v_pool"][:1])
+    for k_pool, v_pool in ((c["k_pool"], c["v_pool"]), larger, block_major):
         want = paged_decode_indexed(c["q"], k_pool, v_pool, c["tables"], c["lens_t"], None, SCALE, None)
         torch.testing.assert_close(kernel(c["q"], k_pool, v_pool, c["batch"], None, SCALE, None), want,
                                    rtol=1e-5, atol=1e-5)
-        if k_pool is head_major[1][0]:
+        if k_pool is larger[0]:
             assert len(kernel.packages) == 1
     assert len(kernel.packages) == 2

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.gemm_template import MAX_ROWS, GemmPackage, TemplateLinear, pack_weight, unpack_weight
+from engine.gemm_template import LAYOUT_CANDIDATES, MAX_ROWS, GemmPackage, TemplateLinear, pack_weight, unpack_weight
 from engine.linear import bf16_matmul_fast
 
 pytestmark = pytest.mark.unit
 
 
-def test_pack_weight_lays_out_column_blocks_with_row_pairs_interleaved():
+def test_pack_weight_lays_out_column_blocks_with_row_pairs_interleaved_or_not():
     w = torch.arange(5 * 6, dtype=torch.float32).reshape(5, 6).to(torch.bfloat16)   # N = 5, K = 6
     packed = pack_weight(w, block_n=4)
     assert packed.shape == (2, 6, 4) and packed.is_contiguous()
@@ -23,6 +23,12 @@ def test_pack_weight_lays_out_column_blocks_with_row_pairs_interleaved():
             want = w[n, k] if n < 5 else 0     # columns past N are zero padding
             assert pairs[n // 4, k // 2, n % 4, k % 2] == want
     assert torch.equal(unpack_weight(packed, 5), w)
+    plain = pack_weight(w, block_n=4, vnni=False)   # the layout of the micro-kernels without AMX
+    assert plain.shape == (2, 6, 4) and plain.is_contiguous()
+    for n in range(8):
+        for k in range(6):
+            assert plain[n // 4, k, n % 4] == (w[n, k] if n < 5 else 0)
+    assert torch.equal(unpack_weight(plain, 5, vnni=False), w)
     with pytest.raises(ValueError, match="K even"):
         pack_weight(torch.zeros(4, 5, dtype=torch.bfloat16), 4)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -49,7 +55,7 @@ def test_each_projection_multiplies_by_its_own_weight_through_one_package_per_sh
     finally:
         torch.set_num_threads(threads)
     assert sorted(packages) == [(1, 80, 64), (2, 80, 64)]   # both weights, one package per thread count
-    assert all(isinstance(p, GemmPackage) and p.block_n in (16, 32, 48, 64) for p in packages.values())
+    assert all(isinstance(p, GemmPackage) and p.layout in LAYOUT_CANDIDATES for p in packages.values())
     with pytest.raises(ValueError, match="2 to"):
         linears[0](torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16"):
