@@ -224,7 +224,8 @@ def head_major(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     of head-major storage, contiguous as ``[num_kv_heads, num_blocks, block_size, head_dim]`` (as
     `engine.kv_cache.KVPool.layer_view` gives them), of two or more blocks: their strides then
     follow from the block count, which a `CompiledDecode` package takes as dynamic. Read from
-    the shapes and strides alone (no tensor is made: it runs per layer and step)."""
+    the shapes and strides alone (no tensor is made: it runs per layer and step). Raises
+    ValueError for a ``k_pool`` that is not 4-D."""
     blocks, heads, block_size, head_dim = k_pool.shape
     want = (block_size * head_dim, blocks * block_size * head_dim, head_dim, 1)
     return (blocks >= 2 and v_pool.shape == k_pool.shape and k_pool.stride() == want

@@ -54,7 +54,7 @@ def test_a_restarted_process_loads_the_package_without_dynamo_and_gets_the_eager
     script = CASE + textwrap.dedent(f"""
         import json, sys
         torch.set_num_threads({torch.get_num_threads()})
-        from engine.paged_decode import CompiledDecode, head_major, paged_decode_indexed
+        from engine.paged_decode import CompiledDecode, paged_decode_indexed
         kernel = CompiledDecode()
         out = kernel(q, k_pool, v_pool, batch, None, {SCALE}, None)
         want = paged_decode_indexed(q, k_pool, v_pool, tables, lens_t, None, {SCALE}, None)
